@@ -1,0 +1,63 @@
+"""Triton kernels, one per file, each with its launcher and its plain-torch reference.
+
+Kernels are plain functions here; `metainfer.lowering.ops` exposes them as
+`torch.library.custom_op`s and decides, per call, whether the Triton kernel or the CPU
+path runs.
+
+Triton's interpreter (which runs kernels on CPU tensors) is chosen when a kernel is
+*decorated*, so the switch is made here, before any kernel module is imported: on a
+machine without CUDA, or with METAINFER_TRITON_INTERPRET=1, kernels are built for the
+interpreter. Whether a CPU tensor then goes through the interpreted kernel or through
+the kernel's CPU path is decided at call time by `interpret_enabled()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+if os.environ.get("METAINFER_TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    # Triton reads this when @triton.jit runs; it must hold for every kernel below.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+from . import attention, rmsnorm, rope, swiglu  # noqa: E402  (after the switch above)
+from ._common import KernelInputError  # noqa: E402
+
+_override: list[bool] = []
+
+
+def interpret_enabled() -> bool:
+    """True if CPU tensors should run the Triton kernels through the interpreter."""
+    if not INTERPRETED:
+        return False
+    if _override:
+        return _override[-1]
+    return os.environ.get("METAINFER_TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def interpret(enabled: bool = True):
+    """Run CPU tensors through the interpreted Triton kernels (or not) inside the block."""
+    if enabled and not INTERPRETED:
+        raise RuntimeError("Triton kernels were built for the GPU; set METAINFER_TRITON_INTERPRET=1 "
+                           "before importing metainfer to run them on CPU tensors")
+    _override.append(enabled)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on `t` runs its Triton kernel (else its CPU path)."""
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and interpret_enabled()
+
+
+__all__ = ["attention", "rmsnorm", "rope", "swiglu", "KernelInputError", "INTERPRETED",
+           "interpret", "interpret_enabled", "use_triton"]

@@ -1,0 +1,255 @@
+"""Fused attention: softmax(q k^T * scale + mask) v, flash-attention style.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq a multiple of Hkv (GQA:
+query head h reads kv head h // (Hq // Hkv), K/V are never expanded). `mask` is optional,
+broadcastable to (B, Hq, Sq, Sk): float = added to the scaled scores, bool = True keeps.
+`causal` keeps key j for query i iff j <= i + causal_offset (offset 0 is torch's top-left
+`is_causal`; Sk - Sq is the bottom-right form a decode step with a KV cache needs).
+D and Dv may differ (MLA), both up to 256. The output is (B, Hq, Sq, Dv), contiguous, in
+q's dtype; accumulation is float32.
+
+Three implementations of the same function:
+- `_attention_fwd`: the Triton kernel (online softmax, the Sq x Sk matrix never exists);
+- `cpu_forward`: the CPU path, torch's fused SDPA kernel where it applies, else a
+  query-chunked exact softmax whose memory is O(chunk x Sk);
+- `reference`: plain math, materialising everything, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check, check_float, next_pow2
+
+NAME = "attention"
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _attention_fwd(
+    Q, K, V, M, O,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_heads, group, seq_q, seq_k, head_d, head_dv,
+    scale, causal_offset,
+    MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,  # see `launch`
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seq_q
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < head_d), other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    m_base = M + b * stride_mb + h * stride_mh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    hi = seq_k
+    if CAUSAL:
+        # the last query row of this block sees keys up to (its index + offset)
+        hi = tl.maximum(tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + causal_offset), 0)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < seq_k
+        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        keep = col_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if MASK_KIND == 1:
+            mval = tl.load(m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            s = s + mval.to(tl.float32)
+        if MASK_KIND == 2:
+            mkeep = tl.load(m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                            mask=row_ok[:, None] & col_ok[None, :], other=0)
+            keep = keep & (mkeep != 0)
+        s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows with nothing kept so far: subtract 0, not -inf, so exp gives 0 and not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < head_dv), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # a row with no key kept gives 0/0 = NaN, as softmax over an all -inf row does in eager
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_inputs(q, k, v, mask, scale, causal, causal_offset) -> None:
+    """Raise KernelInputError unless the inputs are ones every implementation supports."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(NAME, name, t)
+        check(t.dim() == 4, NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    check(q.dtype == k.dtype == v.dtype, NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    check(Bk == B and v.shape[0] == B, NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    check(Dk == D, NAME, f"q and k head dims differ: {D} vs {Dk}")
+    check(tuple(v.shape[1:3]) == (Hkv, Sk), NAME,
+          f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
+    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    Dv = v.shape[3]
+    check(0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM, NAME,
+          f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
+    if mask is not None:
+        check(isinstance(mask, torch.Tensor), NAME, "mask must be a tensor or None")
+        check(mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES, NAME,
+              f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
+        check(mask.device == q.device, NAME, "mask is on a different device than q")
+        check(mask.dim() <= 4, NAME, f"mask must have at most 4 dims, got {mask.dim()}")
+        try:
+            torch.broadcast_shapes(mask.shape, (B, Hq, Sq, Sk))
+            ok = torch.broadcast_shapes(mask.shape, (B, Hq, Sq, Sk)) == (B, Hq, Sq, Sk)
+        except RuntimeError:
+            ok = False
+        check(ok, NAME, f"mask shape {tuple(mask.shape)} does not broadcast to {(B, Hq, Sq, Sk)}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be a finite number, got {scale!r}")
+    check(isinstance(causal, bool), NAME, f"causal must be a bool, got {causal!r}")
+    check(isinstance(causal_offset, int), NAME, f"causal_offset must be an int, got {causal_offset!r}")
+
+
+def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, *, config: dict) -> torch.Tensor:
+    """Run the Triton kernel. `config` holds BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    check_inputs(q, k, v, mask, scale, causal, causal_offset)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if mask is None:
+        mask_kind, m, mstrides = 0, q, (0, 0, 0, 0)
+    else:
+        mask_kind = 2 if mask.dtype == torch.bool else 1
+        m = mask.expand(B, Hq, Sq, Sk)  # stride 0 on broadcast dims, no copy
+        mstrides = m.stride()
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (triton.cdiv(Sq, block_m), B * Hq)
+    _attention_fwd[grid](
+        q, k, v, m, out,
+        *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
+        Hq, Hq // Hkv, Sq, Sk, D, Dv,
+        float(scale), int(causal_offset),
+        MASK_KIND=mask_kind, CAUSAL=bool(causal),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+        DOT_UPCAST=_interpreted() and q.dtype == torch.bfloat16,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )
+    return out
+
+
+def _keep_mask(Sq: int, Sk: int, causal_offset: int, device) -> torch.Tensor:
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Sk, device=device)[None, :]
+    return j <= i + causal_offset
+
+
+def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0) -> torch.Tensor:
+    """Plain math in float32 (K/V expanded, full score matrix): the oracle for tests."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        s = s.masked_fill(~_keep_mask(q.shape[2], k.shape[2], causal_offset, q.device), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+
+
+# Score-matrix bytes per chunk in the CPU path: bounds its memory at O(chunk x Sk).
+_CPU_CHUNK_BYTES = 64 * 2**20
+
+
+def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int) -> torch.Tensor:
+    """CPU path: torch's fused flash kernel where it computes exactly this, else chunked."""
+    check_inputs(q, k, v, mask, scale, causal, causal_offset)
+    sdpa_ok = (
+        q.shape[-1] == v.shape[-1]  # the CPU flash kernel needs Dv == D, else torch materialises
+        and (mask is None or mask.dtype in (torch.bool, q.dtype))
+        and not (causal and (mask is not None or causal_offset != 0))
+    )
+    if sdpa_ok:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return out.contiguous()
+    return _chunked(q, k, v, mask, scale, causal, causal_offset)
+
+
+def _chunked(q, k, v, mask, scale, causal, causal_offset) -> torch.Tensor:
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
+    og = out.view(B, Hkv, G, Sq, Dv)
+    qg = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, Sq, D), a view
+    kt = k.float().transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
+    vf = v.float().unsqueeze(2)  # (B, Hkv, 1, Sk, Dv)
+    m5 = None if mask is None else _grouped_mask(mask, Hkv, G)
+    chunk = max(1, min(Sq, _CPU_CHUNK_BYTES // max(1, B * Hq * Sk * 4)))
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        s = (qg[:, :, :, i0:i1].float() @ kt) * scale  # (B, Hkv, G, rows, Sk)
+        if m5 is not None:
+            mc = m5 if m5.shape[3] == 1 else m5[:, :, :, i0:i1]
+            s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
+        if causal:
+            s = s.masked_fill(~_keep_mask(i1 - i0, Sk, causal_offset + i0, q.device), float("-inf"))
+        og[:, :, :, i0:i1] = (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+    return out
+
+
+def _grouped_mask(mask, Hkv, G):
+    """A mask broadcastable to (B, Hq, Sq, Sk) as a view broadcastable to (B, Hkv, G, Sq, Sk)."""
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    return m.unflatten(1, (Hkv, G)) if m.shape[1] != 1 else m.unsqueeze(2)

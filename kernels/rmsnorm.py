@@ -1,0 +1,104 @@
+"""RMSNorm, optionally fused with the residual add before it.
+
+    y = x * rsqrt(mean(x^2, -1) + eps) * (weight + weight_offset)
+
+computed in float32 and rounded once to `out_dtype`. `weight_offset` is 0 for Llama-style
+norms and 1 for Gemma's `(1 + weight)`. With a residual, h = x + residual is rounded to x's
+dtype, written out (the residual stream needs it), and normalised as rounded, exactly as
+eager code normalises the stored sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import as_rows, check, check_float, next_pow2
+
+NAME = "rmsnorm"
+
+
+@triton.jit
+def _rmsnorm_fwd(
+    X, R, W, Y, H,
+    stride_x, stride_r, stride_y, stride_h,
+    n_cols, eps, weight_offset,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        h = (x + r).to(H.dtype.element_ty)
+        tl.store(H + row * stride_h + cols, h, mask=ok)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + weight_offset
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+
+
+def check_inputs(x, weight, eps, weight_offset, out_dtype, residual=None) -> None:
+    check_float(NAME, "x", x)
+    check_float(NAME, "weight", weight)
+    check(weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1], NAME,
+          f"weight shape {tuple(weight.shape)} must be ({x.shape[-1] if x.dim() else '?'},) for x of shape {tuple(x.shape)}")
+    check(weight.device == x.device, NAME, "x and weight are on different devices")
+    if residual is not None:
+        check_float(NAME, "residual", residual)
+        check(residual.shape == x.shape, NAME, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        check(residual.dtype == x.dtype, NAME, f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+        check(residual.device == x.device, NAME, "x and residual are on different devices")
+    check(isinstance(eps, (int, float)) and eps >= 0, NAME, f"eps must be a number >= 0, got {eps!r}")
+    check(isinstance(weight_offset, (int, float)), NAME, f"weight_offset must be a number, got {weight_offset!r}")
+    check(out_dtype in (torch.float32, torch.bfloat16, torch.float16), NAME, f"out_dtype {out_dtype} unsupported")
+
+
+def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *, config: dict):
+    """Returns y, or (y, x + residual) when a residual is given."""
+    check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
+    check(weight.stride(0) == 1 or weight.numel() == 1, NAME, "weight must be contiguous")
+    x2 = as_rows(NAME, "x", x)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    y2 = y.view(-1, x.shape[-1])
+    if residual is not None:
+        r2 = as_rows(NAME, "residual", residual)
+        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h2 = h.view(-1, x.shape[-1])
+    else:
+        r2 = h2 = x2
+    n_rows, n_cols = x2.shape
+    if n_rows > 0:
+        block_n = next_pow2(n_cols)
+        check(block_n <= config.get("MAX_BLOCK_N", 65536), NAME, f"rows of {n_cols} elements exceed the kernel's block")
+        _rmsnorm_fwd[(n_rows,)](
+            x2, r2, weight, y2, h2,
+            x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
+            n_cols, float(eps), float(weight_offset),
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
+            num_warps=_warps(block_n, config),
+        )
+    return (y, h) if residual is not None else y
+
+
+def _warps(block_n: int, config: dict) -> int:
+    per = config.get("elems_per_warp", 256)
+    return int(min(config.get("max_warps", 16), max(1, next_pow2(block_n // per))))
+
+
+def reference(x, weight, eps, weight_offset=0.0, out_dtype=None, residual=None):
+    """Eager math in float32, rounded once at the end."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if residual is not None:
+        h = x + residual
+        x = h
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
+    return (y.to(out_dtype), h) if residual is not None else y.to(out_dtype)
+
+
+def cpu_forward(x, weight, eps, weight_offset, out_dtype, residual=None):
+    check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
+    return reference(x, weight, eps, weight_offset, out_dtype, residual)

@@ -1,0 +1,96 @@
+"""Rotary position embedding, rotate-half form: x * cos + rotate_half(x) * sin.
+
+rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). x has up to 4 dims (e.g. (B, H, S, D),
+any strides); cos and sin broadcast to x's shape (e.g. (B, 1, S, D)). Computed in float32,
+rounded once to promote(x, cos, sin); the output is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, check_float, next_pow2
+
+NAME = "rope"
+
+
+@triton.jit
+def _rope_fwd(
+    X, C, S, Y, n_rows, n1, n2, half,
+    sx0, sx1, sx2, sx3, sc0, sc1, sc2, sc3, ss0, ss1, ss2, ss3,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    i2 = rows % n2
+    i1 = (rows // n2) % n1
+    i0 = rows // (n2 * n1)
+    cols = tl.arange(0, BLOCK_H)
+    ok = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    xo = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
+    co = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
+    so = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
+    lo = cols[None, :]
+    hi = cols[None, :] + half
+    x1 = tl.load(X + xo + lo * sx3, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + xo + hi * sx3, mask=ok, other=0.0).to(tl.float32)
+    c1 = tl.load(C + co + lo * sc3, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(C + co + hi * sc3, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(S + so + lo * ss3, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(S + so + hi * ss3, mask=ok, other=0.0).to(tl.float32)
+    yo = rows[:, None] * (2 * half)
+    tl.store(Y + yo + lo, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + yo + hi, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty), mask=ok)
+
+
+def check_inputs(x, cos, sin) -> None:
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        check_float(NAME, name, t)
+        check(t.device == x.device, NAME, f"{name} is on a different device than x")
+    check(1 <= x.dim() <= 4, NAME, f"x must have 1 to 4 dims, got shape {tuple(x.shape)}")
+    check(x.shape[-1] % 2 == 0, NAME, f"rotary dim {x.shape[-1]} must be even")
+    for name, t in (("cos", cos), ("sin", sin)):
+        try:
+            ok = torch.broadcast_shapes(t.shape, x.shape) == x.shape
+        except RuntimeError:
+            ok = False
+        check(ok, NAME, f"{name} shape {tuple(t.shape)} does not broadcast to x shape {tuple(x.shape)}")
+
+
+def out_dtype(x, cos, sin) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def launch(x, cos, sin, *, config: dict) -> torch.Tensor:
+    check_inputs(x, cos, sin)
+    y = torch.empty(x.shape, dtype=out_dtype(x, cos, sin), device=x.device)
+    if y.numel() == 0:
+        return y
+    shape4 = (1,) * (4 - x.dim()) + tuple(x.shape)
+    x4, c4, s4 = x.reshape(shape4) if x.dim() < 4 else x, cos.expand(x.shape), sin.expand(x.shape)
+    c4, s4 = c4.reshape(shape4) if x.dim() < 4 else c4, s4.reshape(shape4) if x.dim() < 4 else s4
+    n0, n1, n2, d = shape4
+    n_rows, half = n0 * n1 * n2, d // 2
+    br = config["BLOCK_R"]
+    _rope_fwd[(triton.cdiv(n_rows, br),)](
+        x4, c4, s4, y, n_rows, n1, n2, half,
+        *x4.stride(), *c4.stride(), *s4.stride(),
+        BLOCK_R=br, BLOCK_H=max(1, next_pow2(half)), num_warps=config.get("num_warps", 4),
+    )
+    return y
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def reference(x, cos, sin) -> torch.Tensor:
+    xf = x.float()
+    return (xf * cos.float() + rotate_half(xf) * sin.float()).to(out_dtype(x, cos, sin))
+
+
+def cpu_forward(x, cos, sin) -> torch.Tensor:
+    check_inputs(x, cos, sin)
+    return reference(x, cos, sin).contiguous()

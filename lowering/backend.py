@@ -1,0 +1,169 @@
+"""The Dynamo backend: each captured graph -> AOTAutograd -> metainfer passes -> lowering.
+
+Two lowerings:
+- "inductor" (default): Inductor's `compile_fx`, with the PassManager in its post-grad
+  custom-pass slot. On CPU Inductor emits C++; on CUDA, Triton.
+- "aot_eager": the same functional ATen graph (Inductor's decompositions), the same passes,
+  then run as an FX graph without Inductor. Much faster to compile: for multi-rank tests
+  and for bisection runs where compile time dominates.
+
+When Inductor's FX graph cache serves a compiled graph, the passes do not run; their
+records then come from metainfer's record cache, or the graph is compiled once more with
+the caches off so the report is never empty.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+from metainfer import targets as _targets
+from metainfer.passes import PassManager, resolve
+from metainfer.report import Report
+
+from . import kernel_configs, record_cache
+
+LOWERINGS = ("inductor", "aot_eager")
+
+
+def _describe_input(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+    return repr(x)
+
+
+def _break_text(reason: str) -> str:
+    lines = [l.strip() for l in reason.strip().splitlines() if l.strip()]
+    head = lines[0] if lines else reason
+    expl = next((l for l in lines[1:] if l.startswith("Explanation:")), "")
+    return f"{head} ({expl[len('Explanation:'):].strip()})" if expl else head
+
+
+class MetainferBackend:
+    """A Dynamo backend bound to one target, pipeline and report."""
+
+    def __init__(self, target, passes, disabled=(), *, explicit: bool = False, report: Report | None = None,
+                 lowering: str = "inductor", options: dict | None = None, capture: bool = False):
+        if lowering not in LOWERINGS:
+            raise ValueError(f"unknown lowering {lowering!r}; known: {', '.join(LOWERINGS)}")
+        self.target = target
+        self.passes = list(passes)
+        self.disabled = set(disabled)
+        self.explicit = explicit
+        self.lowering = lowering
+        self.options = dict(options or {})
+        self.report = report if report is not None else Report(target, [p.name for p in self.passes])
+        self.capture = capture  # keep (graph, inputs) per section, for bisection
+        self.captured: list[tuple[torch.fx.GraphModule, list]] = []
+        self._breaks_seen = dict(counters["graph_break"])
+        kernel_configs.activate(target)
+
+    def _new_breaks(self) -> list[str]:
+        now = dict(counters["graph_break"])
+        new = [r for r, c in now.items() if c > self._breaks_seen.get(r, 0)]
+        self._breaks_seen = now
+        return [_break_text(r) for r in new]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        section = self.report.new_section(self._new_breaks(), [_describe_input(x) for x in example_inputs],
+                                          self.lowering)
+        if self.capture:
+            self.captured.append((copy.deepcopy(gm), list(example_inputs)))
+        t0 = time.perf_counter()
+        compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
+                                 explicit=self.explicit, lowering=self.lowering, options=self.options,
+                                 graph_index=section.index, section=section)
+        section.compile_seconds = time.perf_counter() - t0
+        return compiled
+
+
+def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=False, lowering="inductor",
+                  options=None, graph_index=0, section=None):
+    """Compile one Dynamo graph with a pipeline; fill `section.records` if given."""
+    manager = PassManager(passes, target, disabled=disabled, explicit=explicit, options=options,
+                          graph_index=graph_index)
+    if lowering == "aot_eager":
+        compiled = _aot_eager(gm, example_inputs, manager)
+    else:
+        key = record_cache.key(manager.uuid(), gm, example_inputs)
+        compiled = _inductor(gm, example_inputs, manager, caches=True)
+        if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
+            cached = record_cache.load(key)
+            if cached is not None:
+                if section is not None:
+                    section.records, section.from_cache = cached, True
+                return compiled
+            compiled = _inductor(gm, example_inputs, manager, caches=False)
+        record_cache.store(key, manager.records)
+    if section is not None:
+        section.records = manager.records
+    return compiled
+
+
+def _inductor(gm, example_inputs, manager: PassManager, caches: bool):
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"post_grad_custom_post_pass": manager}
+    if not caches:
+        patches["fx_graph_cache"] = False
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _aot_eager(gm, example_inputs, manager: PassManager):
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
+        manager(fx_gm.graph)
+        fx_gm.recompile()
+        return make_boxed_func(fx_gm.forward)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                 decompositions=select_decomp_table())
+
+
+# ---- torch.compile(model, backend="metainfer", options={...}) ---------------------------
+
+_OPTION_KEYS = ("target", "passes", "disable", "lowering", "dump_dir", "pass_options")
+_last: dict[str, Any] = {"key": None, "backend": None}
+
+
+def metainfer_backend(gm, example_inputs, options: dict | None = None, **unused):
+    """Entry point registered under `torch_dynamo_backends` as "metainfer"."""
+    opts = dict(options or {})
+    unknown = set(opts) - set(_OPTION_KEYS)
+    if unknown:
+        raise ValueError(f"unknown metainfer backend options {sorted(unknown)}; known: {list(_OPTION_KEYS)}")
+    key = id(options)
+    if _last["key"] != key or _last["backend"] is None:
+        target = _targets.get(opts.get("target", "cpu"))
+        passes, disabled, explicit = resolve(target, opts.get("passes"), opts.get("disable", ()))
+        _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit,
+                                            lowering=opts.get("lowering", "inductor"),
+                                            options=opts.get("pass_options"))
+        _last["key"] = key
+    backend: MetainferBackend = _last["backend"]
+    compiled = backend(gm, example_inputs)
+    dump = opts.get("dump_dir") or _env_dump()
+    if dump:
+        backend.report.save(dump)
+    return compiled
+
+
+def last_report() -> Report | None:
+    """The report of the most recent torch.compile(..., backend="metainfer") compilation."""
+    b = _last["backend"]
+    return b.report if b is not None else None
+
+
+def _env_dump():
+    import os
+
+    return os.environ.get("METAINFER_DUMP") or None

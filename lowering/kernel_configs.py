@@ -1,0 +1,68 @@
+"""Block sizes and launch settings for each kernel, per target architecture.
+
+Kernels take their config as an argument; this table is where it comes from. A target
+selects a row by its `device.arch` (e.g. "sm_89" for the L40S of pcie8) and can override
+any entry in its TOML under `[kernels.<kernel name>]`. CPU tensors running through Triton's
+interpreter use the "interpreter" row: small blocks, so tests reach partial blocks cheaply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Attention rows are keyed by the largest head dim they serve (registers grow with it).
+_ATTENTION = {
+    "interpreter": [(256, dict(BLOCK_M=16, BLOCK_N=16))],
+    # Ada (L40S/L20, 100 KB shared memory per SM): smaller tiles at large head dims.
+    "sm_89": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
+              (128, dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
+              (256, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2))],
+    # Hopper (H100/H200, 228 KB shared memory per SM).
+    "sm_90": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
+              (128, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
+              (256, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2))],
+}
+_ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
+
+_POINTWISE = {
+    "interpreter": {"swiglu": dict(BLOCK_R=8, BLOCK_N=32), "rope": dict(BLOCK_R=8),
+                    "rmsnorm": dict(elems_per_warp=256, max_warps=1)},
+    "cuda": {"swiglu": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=4), "rope": dict(BLOCK_R=16, num_warps=4),
+             "rmsnorm": dict(elems_per_warp=256, max_warps=16)},
+}
+
+KERNELS = ("attention", "rmsnorm", "swiglu", "rope")
+
+# device type -> (arch, overrides) of the target metainfer last compiled for on it
+_active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+
+
+def activate(target) -> None:
+    """Make `target`'s rows and overrides the ones kernels on its device type use."""
+    unknown = set(target.kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"target {target.name!r}: [kernels] names unknown kernels {sorted(unknown)}; "
+                         f"known: {list(KERNELS)}")
+    _active[target.device.kind] = (target.device.arch, {k: dict(v) for k, v in target.kernels.items()})
+
+
+def _row(device: torch.device) -> tuple[str, dict]:
+    if device.type != "cuda":
+        return "interpreter", {}
+    arch, overrides = _active.get("cuda", ("", {}))
+    return (arch if arch in _ATTENTION else "cuda"), overrides
+
+
+def config_for(kernel: str, device: torch.device, *, head_dim: int = 0) -> dict[str, Any]:
+    """The launch config for `kernel` on `device`."""
+    if kernel not in KERNELS:
+        raise KeyError(f"no kernel named {kernel!r}; known: {list(KERNELS)}")
+    arch, overrides = _row(device)
+    if kernel == "attention":
+        rows = _ATTENTION[arch]
+        cfg = next((c for limit, c in rows if head_dim <= limit), rows[-1][1])
+    else:
+        cfg = _POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel]
+    return {**cfg, **overrides.get(kernel, {})}

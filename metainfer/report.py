@@ -1,0 +1,167 @@
+"""The report of one optimize(): every pass on every compiled graph, and what it did.
+
+`str(report)` is a compact table; `report.save(dir)` writes report.json, report.md and, for
+each pass that changed a graph, the graph before and after it and their diff.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metainfer.passes.manager import PassRecord
+
+
+@dataclass
+class GraphSection:
+    """One graph Dynamo captured (several when the model has graph breaks)."""
+
+    index: int
+    break_reasons: list[str] = field(default_factory=list)  # breaks Dynamo hit before this graph
+    inputs: list[str] = field(default_factory=list)  # dtype[shape] of each graph input
+    records: list[PassRecord] = field(default_factory=list)
+    lowering: str = "inductor"
+    from_cache: bool = False  # Inductor reused a compiled graph; records come from metainfer's cache
+    compile_seconds: float = 0.0
+
+    def to_dict(self, with_graphs: bool = False) -> dict[str, Any]:
+        return {
+            "index": self.index, "break_reasons": self.break_reasons, "inputs": self.inputs,
+            "lowering": self.lowering, "from_cache": self.from_cache,
+            "compile_seconds": round(self.compile_seconds, 4),
+            "passes": [r.to_dict(with_graphs) for r in self.records],
+        }
+
+
+class Report:
+    def __init__(self, target, pipeline: list[str], notes: list[str] | None = None):
+        self.target = target
+        self.pipeline = list(pipeline)
+        self.sections: list[GraphSection] = []
+        self.notes: list[str] = list(notes or [])
+
+    # -- access ------------------------------------------------------------------------
+    @property
+    def passes(self) -> list[PassRecord]:
+        """Every pass record, graph by graph, in the order they ran."""
+        return [r for s in self.sections for r in s.records]
+
+    @property
+    def graph_breaks(self) -> list[str]:
+        return [b for s in self.sections for b in s.break_reasons]
+
+    def matches(self, pass_name: str) -> int:
+        """Total matches of a pass over all graphs."""
+        return sum(r.matches for r in self.passes if r.name == pass_name)
+
+    def record(self, pass_name: str, graph: int = 0) -> PassRecord:
+        for r in self.sections[graph].records:
+            if r.name == pass_name:
+                return r
+        raise KeyError(f"no record of pass {pass_name!r} on graph {graph}")
+
+    def new_section(self, break_reasons: list[str], inputs: list[str], lowering: str) -> GraphSection:
+        s = GraphSection(index=len(self.sections), break_reasons=break_reasons, inputs=inputs, lowering=lowering)
+        self.sections.append(s)
+        return s
+
+    # -- output ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target.name,
+            "target_description": self.target.description,
+            "device_kind": self.target.device.kind,
+            "pipeline": self.pipeline,
+            "graphs": [s.to_dict() for s in self.sections],
+            "graph_breaks": self.graph_breaks,
+            "notes": self.notes,
+        }
+
+    def __str__(self) -> str:
+        out = [f"metainfer report: target {self.target.name} ({self.target.description}); "
+               f"{len(self.sections)} graph(s); pipeline: {', '.join(self.pipeline) or '(none)'}"]
+        if not self.sections:
+            out.append("  (nothing compiled yet: the model has not been called)")
+        for s in self.sections:
+            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}]"
+            if s.break_reasons:
+                head += f" after a graph break: {s.break_reasons[0]}"
+            out.append(head)
+            rows = [("pass", "ran", "matches", "nodes", "ms", "what it did")]
+            for r in s.records:
+                ran = "yes" if r.ran else "skip"
+                what = r.decisions[0] if r.decisions else (r.skipped_reason or (r.near_misses[0] if r.near_misses else ""))
+                more = len(r.decisions) - 1
+                if more > 0:
+                    what += f" (+{more} more)"
+                rows.append((r.name, ran, str(r.matches) if r.ran else "-", f"{r.nodes_before}->{r.nodes_after}",
+                             f"{r.seconds * 1e3:.1f}" if r.ran else "-", what))
+            widths = [max(len(row[i]) for row in rows) for i in range(5)]
+            for row in rows:
+                cells = [row[i].ljust(widths[i]) for i in range(5)]
+                out.append("  " + "  ".join(cells) + "  " + _clip(row[5], 110))
+            for r in s.records:
+                for nm in r.near_misses:
+                    out.append(f"  near miss [{r.name}] {_clip(nm, 150)}")
+        for n in self.notes:
+            out.append(f"note: {n}")
+        return "\n".join(out)
+
+    def __repr__(self) -> str:
+        return f"<Report target={self.target.name} graphs={len(self.sections)} passes={len(self.passes)}>"
+
+    def to_markdown(self) -> str:
+        md = [f"# metainfer report", "", f"- target: `{self.target.name}` ({self.target.description})",
+              f"- pipeline: {', '.join(f'`{p}`' for p in self.pipeline)}", f"- graphs: {len(self.sections)}"]
+        for n in self.notes:
+            md.append(f"- note: {n}")
+        for s in self.sections:
+            md += ["", f"## Graph {s.index}", ""]
+            if s.break_reasons:
+                md.append("Graph break(s) before this graph:")
+                md += [f"- {b}" for b in s.break_reasons]
+                md.append("")
+            md.append(f"Lowering: {s.lowering}{' (compiled graph reused from cache)' if s.from_cache else ''}; "
+                      f"inputs: {', '.join(s.inputs) if s.inputs else '-'}")
+            md += ["", "| pass | ran | matches | nodes before -> after | time (ms) |", "|---|---|---|---|---|"]
+            for r in s.records:
+                md.append(f"| `{r.name}` | {'yes' if r.ran else 'skipped: ' + (r.skipped_reason or '')} | "
+                          f"{r.matches} | {r.nodes_before} -> {r.nodes_after} | {r.seconds * 1e3:.1f} |")
+            for r in s.records:
+                if r.decisions or r.near_misses:
+                    md += ["", f"### `{r.name}`", ""]
+                    md += [f"- {d}" for d in r.decisions]
+                    md += [f"- near miss: {d}" for d in r.near_misses]
+                    if r.changed:
+                        md.append(f"- graph dumps: `{_dump_name(s.index, r)}.before.txt`, `.after.txt`, `.diff`")
+        return "\n".join(md) + "\n"
+
+    def save(self, directory) -> Path:
+        """Write report.json, report.md and graphs/ (before/after/diff of each change)."""
+        d = Path(directory)
+        gdir = d / "graphs"
+        gdir.mkdir(parents=True, exist_ok=True)
+        (d / "report.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        (d / "report.md").write_text(self.to_markdown())
+        for s in self.sections:
+            for r in s.records:
+                if not r.changed:
+                    continue
+                stem = gdir / _dump_name(s.index, r)
+                stem.with_suffix(".before.txt").write_text(r.graph_before)
+                stem.with_suffix(".after.txt").write_text(r.graph_after)
+                diff = difflib.unified_diff(r.graph_before.splitlines(True), r.graph_after.splitlines(True),
+                                            fromfile=f"before {r.name}", tofile=f"after {r.name}", n=2)
+                stem.with_suffix(".diff").write_text("".join(diff))
+        return d
+
+
+def _dump_name(graph_index: int, r: PassRecord) -> str:
+    return f"graph{graph_index}_{r.name}"
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."

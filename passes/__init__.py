@@ -1,0 +1,14 @@
+"""Graph passes over the post-grad ATen graph; one file per pass.
+
+Each pass has a `name`, a one-line docstring `before -> after`, the device kinds it applies
+to, and `run(graph, ctx) -> PassResult`. `PassManager` runs a pipeline and records what each
+pass did; `pipeline.default_pipeline(target)` is the order used when none is given.
+"""
+
+from .base import FunctionPass, Pass, PassContext, PassResult, get_pass, pass_names, register
+from .manager import PassError, PassManager, PassRecord, graph_text
+from . import fuse_attention, fuse_rmsnorm, fuse_rope, fuse_swiglu  # noqa: F401  (register the passes)
+from .pipeline import default_pipeline, resolve
+
+__all__ = ["Pass", "FunctionPass", "PassContext", "PassResult", "PassManager", "PassRecord", "PassError",
+           "register", "get_pass", "pass_names", "default_pipeline", "resolve", "graph_text"]

@@ -1,0 +1,117 @@
+"""The pass contract: a named rewrite of the post-grad ATen graph that says what it did."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx
+
+from metainfer.targets import Target
+
+
+@dataclass
+class PassResult:
+    """What one run of a pass did to one graph."""
+
+    modified: bool
+    matches: int = 0
+    decisions: list[str] = field(default_factory=list)  # one line per rewrite: where, what, why
+    near_misses: list[str] = field(default_factory=list)  # patterns seen but not rewritten, and why
+
+
+@dataclass
+class PassContext:
+    target: Target
+    graph_index: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Pass:
+    """Base class. Subclasses set `name`, write a one-line `before -> after` docstring, and
+    implement `run`. `device_kinds` lists the target device kinds the pass applies to."""
+
+    name: str = ""
+    device_kinds: tuple[str, ...] = ("cpu", "cuda")  # where it is correct
+    profitable_kinds: tuple[str, ...] = ("cpu", "cuda")  # where the default pipeline runs it
+    unprofitable_why: str = ""
+
+    def skip_reason(self, target: Target, explicit: bool = False) -> str | None:
+        """None if the pass should run for `target`, else why not. A pass the user named
+        explicitly runs wherever it is correct; a default one only where it pays."""
+        kind = target.device.kind
+        if kind not in self.device_kinds:
+            return f"does not apply to {kind} targets"
+        if not explicit and kind not in self.profitable_kinds:
+            why = f": {self.unprofitable_why}" if self.unprofitable_why else ""
+            return f"not profitable on {kind} targets{why} (name it in passes= to force)"
+        return None
+
+    def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    @property
+    def summary(self) -> str:
+        doc = inspect.getdoc(type(self)) or ""
+        return doc.splitlines()[0] if doc else ""
+
+    def fingerprint(self) -> str:
+        """Identifies this pass's implementation, for compile caches: its whole source file
+        (helpers included); the manager adds the shared helper modules."""
+        return f"{self.name}:{_file_digest(type(self))}"
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
+
+
+class FunctionPass(Pass):
+    """A pass made from a plain function `fn(graph, ctx) -> PassResult`."""
+
+    def __init__(self, name: str, fn: Callable[[torch.fx.Graph, PassContext], PassResult],
+                 device_kinds: tuple[str, ...] = ("cpu", "cuda")):
+        self.name, self.fn, self.device_kinds = name, fn, device_kinds
+        self.__doc__ = fn.__doc__
+
+    @property
+    def summary(self) -> str:
+        return (self.fn.__doc__ or "").strip().splitlines()[0] if self.fn.__doc__ else ""
+
+    def run(self, graph, ctx):
+        return self.fn(graph, ctx)
+
+    def fingerprint(self) -> str:
+        return f"{self.name}:{_file_digest(self.fn)}"
+
+
+def _file_digest(obj) -> str:
+    try:
+        path = inspect.getsourcefile(obj)
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except (OSError, TypeError):
+        return repr(obj)
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass available by name."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a pass named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def pass_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_pass(name: str) -> Pass:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown pass {name!r}; known passes: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]()

@@ -1,0 +1,498 @@
+"""fuse_attention: every form of softmax(q k^T * scale + mask) v -> metainfer::attention.
+
+Forms recognised (post-grad ATen):
+- eager: bmm(softmax(scale * bmm(q, k^T) [+ mask | where(keep, ., -inf)]), v), with the
+  expand/reshape that `matmul` decomposes into, dtype casts around the softmax (HF's
+  float32 softmax), the scale as mul or div on the scores, GQA `repeat_kv`
+  (unsqueeze/expand/reshape) or broadcasting of single-head K/V, and masks added or
+  applied with `where`;
+- SDPA: `scaled_dot_product_attention` and its backend ops (flash/efficient/cudnn/CPU),
+  with an explicit mask or `is_causal`.
+
+Masks built inside the graph are proven causal by `mask_analysis` and dropped in favour of
+the kernel's causal flag; any other mask is passed to the op as a tensor. K/V are passed
+un-repeated, so GQA costs no copies. The pass does not fire when an intermediate (the
+scores or probabilities) has another user, when there is dropout, or when shapes, dtypes,
+scales or masks fall outside what the op computes; such near misses go to the report.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.operator_schemas import normalize_function
+
+from metainfer.kernels.attention import MAX_HEAD_DIM
+from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+from . import mask_analysis as ma
+from .base import Pass, PassContext, PassResult, register
+from .matching import (
+    CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_op, is_scalar,
+    location, ndim, reduces_last_dim, same, same_shape, shape, strip,
+)
+
+_SDPA_OPS = {
+    aten.scaled_dot_product_attention.default: "sdpa",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "sdpa (cpu flash)",
+    aten._scaled_dot_product_flash_attention.default: "sdpa (flash)",
+    aten._scaled_dot_product_efficient_attention.default: "sdpa (efficient)",
+    aten._scaled_dot_product_cudnn_attention.default: "sdpa (cudnn)",
+}
+_NEG_INF_FLOOR = torch.finfo(torch.float16).min  # fill values at or below this drop a key exactly
+
+
+class NearMiss(Exception):
+    """Attention recognised, but not rewritten; the message says why."""
+
+
+@dataclass
+class Operand:
+    """A 4-D (batch, heads, seq, dim) tensor feeding the op, and how to get it."""
+
+    node: Node
+    transpose: bool = False  # node holds the last two dims swapped (k^T)
+    expand_batch: int | None = None  # broadcast batch of size 1 to this
+
+
+@dataclass
+class Match:
+    form: str
+    anchor: Node  # inserted before this node
+    replace: list[Node]  # nodes whose uses the 4-D output replaces
+    replace_3d: list[Node]  # nodes (bmm outputs) whose uses a 3-D view of it replaces
+    q: Operand
+    k: Operand
+    v: Operand
+    scale: float
+    causal: bool = False
+    causal_offset: int = 0
+    mask: Node | None = None
+    mask_negate: bool = False  # mask is a "drop" predicate: pass logical_not(mask)
+    unsqueeze_batch: bool = False  # operands were 3-D (batch*heads, seq, dim)
+    notes: list[str] = field(default_factory=list)
+
+
+@register
+class FuseAttention(Pass):
+    """softmax(q k^T * scale + mask) v (eager and SDPA forms) -> metainfer::attention"""
+
+    name = "fuse_attention"
+
+    def run(self, graph, ctx: PassContext) -> PassResult:
+        res = PassResult(modified=False)
+        interp = ma.MaskInterpreter()
+        for node in list(graph.nodes):
+            try:
+                if is_op(node, aten.bmm):
+                    m = _match_eager(node, interp)
+                elif node.target in _SDPA_OPS:
+                    m = _match_sdpa(node, interp)
+                else:
+                    continue
+            except NearMiss as e:
+                res.near_misses.append(f"{location(node)}: attention not fused: {e}")
+                continue
+            if m is None:
+                continue
+            _rewrite(graph, m)
+            res.matches += 1
+            res.decisions.append(_describe(m, node))
+        res.modified = res.matches > 0
+        return res
+
+
+# ---- eager form ------------------------------------------------------------------------
+
+def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
+    p3, v3 = pv.args[0], pv.args[1]
+    p4, p_views = _peel(p3)
+    probs_region = [pv, *p_views]
+    probs = p4 if p4 is not None else p3
+    casts = []
+    while is_op(probs, *CONVERT_OPS):
+        casts.append(probs)
+        probs = probs.args[0]
+    sm = _softmax(probs)
+    if sm is None:
+        return None  # not attention
+    logits, sm_nodes = sm
+    probs_region += casts + sm_nodes[:1]
+    region = probs_region + sm_nodes[1:]
+
+    scale, masks, keeps, chain, qk = _parse_scores(logits)
+    region += chain
+    a3, b3 = qk.args[0], qk.args[1]
+    q4, q_views = _peel(a3)
+    kt4, k_views = _peel(b3)
+    v4, v_views = _peel(v3)
+    three_d = q4 is None or kt4 is None or v4 is None
+    if three_d:
+        if not (p4 is None and all(ndim(x) == 3 for x in (a3, b3, v3))):
+            raise NearMiss("could not follow q, k or v back to 4-D (batch, heads, seq, dim) tensors")
+        q, kt, v = Operand(a3), Operand(b3), Operand(v3)
+    else:
+        q, kt, v = _operand(q4, q_views), _operand(kt4, k_views), _operand(v4, v_views)
+
+    # k^T -> k (reuse the transpose the model wrote, else add one)
+    if is_op(kt.node, aten.permute) and list(kt.node.args[1]) in ([0, 1, 3, 2], [0, 2, 1]):
+        k = Operand(kt.node.args[0], expand_batch=kt.expand_batch)
+    else:
+        k = Operand(kt.node, transpose=True, expand_batch=kt.expand_batch)
+
+    _check_exclusive(region, probs=set(probs_region), allowed_exit=pv)
+    m = Match(form="eager", anchor=pv, replace=[], replace_3d=[], q=q, k=k, v=v, scale=scale,
+              unsqueeze_batch=three_d)
+    _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
+    _strip_gqa(m)
+    _check_fits(m)
+    # outputs: reshape(pv) to 4-D users get the 4-D result; anything else a 3-D view
+    out_shape = _out_shape(m)
+    for u in list(pv.users):
+        if not three_d and is_op(u, *VIEW_OPS) and same_shape(shape(u), out_shape):
+            m.replace.append(u)
+    if len(m.replace) != len(pv.users):
+        m.replace_3d.append(pv)
+    return m
+
+
+def _peel(n: Node) -> tuple[Node | None, list[Node]]:
+    """A 3-D bmm operand (N, S, D) made by reshaping a 4-D (B, H, S, D) tensor: that tensor,
+    after dropping no-op clones/expands (broadcasting expands are kept for `_operand`)."""
+    s3 = shape(n)
+    if not is_op(n, *VIEW_OPS) or s3 is None or len(s3) != 3:
+        return None, []
+    t = n.args[0]
+    s4 = shape(t)
+    if s4 is None or len(s4) != 4 or not (same(s4[0] * s4[1], s3[0]) and same(s4[2], s3[1])
+                                            and same(s4[3], s3[2])):
+        return None, []
+    views = [n]
+    while is_op(t, aten.clone) or (is_op(t, aten.expand) and same_shape(shape(t), shape(t.args[0]))):
+        views.append(t)
+        t = t.args[0]
+    return t, views
+
+
+def _operand(t: Node, views: list[Node]) -> Operand:
+    """Look through a broadcasting expand of the batch or head dim (size 1 -> B or H)."""
+    if is_op(t, aten.expand) and ndim(t.args[0]) == 4:
+        src, full = shape(t.args[0]), shape(t)
+        if same(src[2], full[2]) and same(src[3], full[3]):
+            batch = None if same(src[0], full[0]) else full[0] if same(src[0], 1) else False
+            heads_ok = same(src[1], full[1]) or same(src[1], 1)
+            if batch is not False and heads_ok:
+                return Operand(t.args[0], expand_batch=batch)
+    return Operand(t)
+
+
+def _softmax(p: Node) -> tuple[Node, list[Node]] | None:
+    """softmax over the last dim: (its input, the nodes computing it), else None."""
+    r = ndim(p)
+    if r is None:
+        return None
+    if is_op(p, aten._softmax, aten._safe_softmax):
+        d = p.args[1]
+        return (p.args[0], [p]) if isinstance(d, int) and (d == -1 or d == r - 1) else None
+    if not is_op(p, aten.div):
+        return None
+    e, s = p.args[0], p.args[1]
+    if not (is_op(e, aten.exp) and is_op(s, aten.sum) and s.args[0] is e and reduces_last_dim(s, r)):
+        return None
+    d = e.args[0]
+    if not (is_op(d, aten.sub) and is_op(d.args[1], aten.amax)):
+        return None
+    x, mx = d.args[0], d.args[1]
+    if mx.args[0] is not x or not reduces_last_dim(mx, r):
+        return None
+    return x, [p, s, e, d, mx]
+
+
+def _fill_drops(v) -> bool:
+    c = constant_value(v)
+    return c is not None and (c == -math.inf or c <= _NEG_INF_FLOOR)
+
+
+def _reaches_bmm(n, depth: int = 12) -> bool:
+    """Whether n is computed from a bmm through score-chain ops (to tell scores from mask)."""
+    while depth > 0 and isinstance(n, Node):
+        if is_op(n, aten.bmm):
+            return True
+        if is_op(n, *CONVERT_OPS, *VIEW_OPS):
+            n = n.args[0]
+        elif is_op(n, aten.mul, aten.div) and is_scalar(n.args[1]):
+            n = n.args[0]
+        elif is_op(n, aten.mul) and is_scalar(n.args[0]):
+            n = n.args[1]
+        elif is_op(n, aten.add):
+            return _reaches_bmm(n.args[0], depth - 1) or _reaches_bmm(n.args[1], depth - 1)
+        elif is_op(n, aten.where):
+            return _reaches_bmm(n.args[1], depth - 1) or _reaches_bmm(n.args[2], depth - 1)
+        else:
+            return False
+        depth -= 1
+    return False
+
+
+def _parse_scores(x: Node):
+    """Walk from the softmax input down to the q k^T bmm: scale, masks, the chain's nodes."""
+    scale, masks, keeps, chain = 1.0, [], [], []
+    scaled = False  # a scale seen above (applied after) the current point
+    while True:
+        if is_op(x, *CONVERT_OPS):
+            chain.append(x)
+            x = x.args[0]
+        elif is_op(x, aten.mul, aten.div) and (is_scalar(x.args[1]) or (is_op(x, aten.mul) and is_scalar(x.args[0]))):
+            c, src = (x.args[1], x.args[0]) if is_scalar(x.args[1]) else (x.args[0], x.args[1])
+            if not c > 0:
+                raise NearMiss(f"score scale {c} is not positive")
+            scale = scale * c if is_op(x, aten.mul) else scale / c
+            scaled = True
+            chain.append(x)
+            x = src
+        elif is_op(x, aten.add):
+            if x.kwargs.get("alpha", 1) != 1:
+                raise NearMiss("score add with alpha != 1")
+            a, b = x.args[0], x.args[1]
+            ra, rb = _reaches_bmm(a), _reaches_bmm(b)
+            if ra == rb:
+                raise NearMiss("cannot tell the scores from the mask in an add")
+            scores, mask = (a, b) if ra else (b, a)
+            if not isinstance(mask, Node) or not same_shape(shape(x), shape(scores) or ()):
+                raise NearMiss("the mask added to the scores changes their shape or is not a tensor")
+            if dtype(mask) not in (torch.float32, torch.bfloat16, torch.float16):
+                raise NearMiss(f"additive mask of dtype {dtype(mask)}")
+            if scaled:
+                raise NearMiss("the scores are scaled after an additive mask is added (the mask would be scaled too)")
+            masks.append(mask)
+            chain.append(x)
+            x = scores
+        elif is_op(x, aten.where):
+            cond, a, b = x.args
+            if _fill_drops(b) and _reaches_bmm(a):
+                keeps.append((cond, True))
+                x_next = a
+            elif _fill_drops(a) and _reaches_bmm(b):
+                keeps.append((cond, False))
+                x_next = b
+            else:
+                raise NearMiss("where() on the scores does not fill with -inf (or a value that acts as -inf)")
+            if not same_shape(shape(x), shape(x_next) or ()):
+                raise NearMiss("where() on the scores broadcasts them to a larger shape")
+            chain.append(x)
+            x = x_next
+        elif is_op(x, *VIEW_OPS) and is_op(x.args[0], aten.bmm) and ndim(x) == 4:
+            chain.append(x)
+            x = x.args[0]
+        elif is_op(x, aten.bmm):
+            chain.append(x)
+            return scale, masks, keeps, chain, x
+        else:
+            raise NearMiss(f"unsupported op {getattr(x, 'target', x)} between the q k^T matmul and the softmax")
+
+
+def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -> None:
+    inside = set(region)
+    for n in region:
+        if n is allowed_exit:
+            continue
+        for u in n.users:
+            if u not in inside:
+                what = "probabilities" if n in probs else "scores"
+                raise NearMiss(f"the attention {what} ({n.name}) are also used by {u.name}")
+
+
+def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
+                   interp: ma.MaskInterpreter, score_dtype) -> None:
+    offsets, tensors = [], []
+    for mk in masks:
+        off = ma.causal_offset(mk, interp, kind="additive", score_dtype=score_dtype)
+        (offsets.append(off) if off is not None and off >= 0 else tensors.append((mk, "additive")))
+    for cond, keep_when_true in keeps:
+        off = ma.causal_offset(cond, interp, kind="keep" if keep_when_true else "drop", score_dtype=score_dtype)
+        if off is not None and off >= 0:
+            offsets.append(off)
+        else:
+            tensors.append((cond, "keep" if keep_when_true else "drop"))
+    if len(set(offsets)) > 1:
+        raise NearMiss(f"several causal masks with different offsets {sorted(set(offsets))}")
+    if offsets:
+        m.causal, m.causal_offset = True, offsets[0]
+        m.notes.append(f"causal, offset {offsets[0]} (mask built in the graph, proven)")
+    if len(tensors) > 1:
+        raise NearMiss(f"{len(tensors)} separate masks on the scores; the op takes one")
+    if tensors:
+        node, kind = tensors[0]
+        if kind != "additive" and dtype(node) != torch.bool:
+            raise NearMiss(f"where() condition of dtype {dtype(node)}")
+        m.mask, m.mask_negate = node, kind == "drop"
+        m.notes.append(f"{'additive' if kind == 'additive' else 'boolean'} mask {_fmt_shape(shape(node))}")
+    if not m.causal and m.mask is None:
+        m.notes.append("no mask")
+
+
+def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
+    """reshape(expand(unsqueeze(kv, 2), (B, Hkv, rep, S, D)), (B, Hkv*rep, S, D)) -> (kv, rep).
+
+    Only this (interleaved) form maps query head h to kv head h // rep."""
+    if not is_op(n, *VIEW_OPS) or ndim(n) != 4:
+        return None
+    e = n.args[0]
+    while is_op(e, aten.clone):
+        e = e.args[0]
+    if not is_op(e, aten.expand) or ndim(e) != 5:
+        return None
+    u = e.args[0]
+    src = None
+    if is_op(u, aten.unsqueeze) and u.args[1] in (2, -3):
+        src = u.args[0]
+    elif is_op(u, *VIEW_OPS) and ndim(u) == 5 and ndim(u.args[0]) == 4 and same(shape(u)[2], 1):
+        src = u.args[0]
+    if src is None or ndim(src) != 4:
+        return None
+    B, Hkv, rep, S, D = shape(e)
+    s = shape(src)
+    if not (same(s[0], B) and same(s[1], Hkv) and same(s[2], S) and same(s[3], D)):
+        return None
+    if not same_shape(shape(n), (B, Hkv * rep, S, D)) or not isinstance(rep, int):
+        return None
+    return src, rep
+
+
+def _strip_gqa(m: Match) -> None:
+    if m.unsqueeze_batch or m.k.transpose:
+        return
+    rk, rv = _strip_repeat_kv(m.k.node), _strip_repeat_kv(m.v.node)
+    if rk and rv and rk[1] == rv[1]:
+        m.k = Operand(rk[0], expand_batch=m.k.expand_batch)
+        m.v = Operand(rv[0], expand_batch=m.v.expand_batch)
+        m.notes.append(f"GQA, {rk[1]} query heads per kv head (repeat_kv removed)")
+
+
+def _dims(m: Match):
+    """(B, Hq, Sq, D, Hkv, Sk, Dv) as the op will see them."""
+    qs = shape(m.q.node)
+    ks = shape(m.k.node)
+    vs = shape(m.v.node)
+    if m.unsqueeze_batch:
+        qs, ks, vs = (1, *qs), (1, *ks), (1, *vs)
+    if m.k.transpose:
+        ks = (*ks[:2], ks[3], ks[2])
+    return qs[0], qs[1], qs[2], qs[3], ks[1], ks[2], vs[3], ks, vs
+
+
+def _check_fits(m: Match) -> None:
+    B, Hq, Sq, D, Hkv, Sk, Dv, ks, vs = _dims(m)
+    dts = {dtype(m.q.node), dtype(m.k.node), dtype(m.v.node)}
+    if len(dts) != 1:
+        raise NearMiss(f"q, k, v have different dtypes {sorted(map(str, dts))}")
+    dt = dts.pop()
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise NearMiss(f"dtype {dt} is not supported by the attention op")
+    if not (isinstance(D, int) and isinstance(Dv, int)) or D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
+        raise NearMiss(f"head dims q/k {D}, v {Dv}: the op supports up to {MAX_HEAD_DIM}")
+    if not (same(ks[3], D) and same(vs[2], Sk) and same(vs[1], Hkv)):
+        raise NearMiss(f"q/k/v shapes do not line up: q {_fmt_shape(shape(m.q.node))}, "
+                       f"k {_fmt_shape(ks)}, v {_fmt_shape(vs)}")
+    if not (isinstance(Hq, int) and isinstance(Hkv, int)) or Hq % Hkv:
+        raise NearMiss(f"{Hq} query heads are not a multiple of {Hkv} kv heads")
+    for name, op, s in (("k", m.k, ks), ("v", m.v, vs)):
+        if not same(s[0], B) and op.expand_batch is None:
+            raise NearMiss(f"{name} batch {s[0]} != q batch {B}")
+
+
+def _out_shape(m: Match):
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    return (B, Hq, Sq, Dv)
+
+
+# ---- SDPA form -------------------------------------------------------------------------
+
+def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
+    form = _SDPA_OPS[node.target]
+    norm = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    kw = norm.kwargs if norm is not None else {}
+    q, k, v = kw.get("query"), kw.get("key"), kw.get("value")
+    if q is None or any(ndim(t) != 4 for t in (q, k, v)):
+        return None
+    if kw.get("dropout_p", 0.0) not in (0, 0.0):
+        raise NearMiss(f"dropout_p={kw['dropout_p']}")
+    mask = kw.get("attn_mask", kw.get("attn_bias"))
+    scale = kw.get("scale")
+    if scale is None:
+        d = shape(q)[-1]
+        if not isinstance(d, int):
+            raise NearMiss("default scale of a symbolic head dim")
+        scale = 1.0 / math.sqrt(d)
+    if not is_scalar(scale) or not scale > 0:
+        raise NearMiss(f"scale {scale!r}")
+
+    if node.target is aten.scaled_dot_product_attention.default:
+        anchor_outs = [node]
+    else:
+        anchor_outs = []
+        for u in node.users:
+            if u.target is not operator.getitem:
+                raise NearMiss(f"output used by {u.name} directly")
+            if u.args[1] == 0:
+                anchor_outs.append(u)
+            elif u.users:
+                raise NearMiss(f"auxiliary output {u.args[1]} (e.g. logsumexp) is used")
+    m = Match(form=form, anchor=node, replace=anchor_outs, replace_3d=[], q=Operand(q), k=Operand(k),
+              v=Operand(v), scale=float(scale))
+    if kw.get("is_causal", False):
+        m.causal, m.causal_offset = True, 0
+        m.notes.append("causal (is_causal)")
+    if mask is not None:
+        if m.causal:
+            raise NearMiss("both is_causal and a mask")
+        kind = "keep" if dtype(mask) == torch.bool else "additive"
+        _resolve_masks(m, [mask] if kind == "additive" else [], [(mask, True)] if kind == "keep" else [],
+                       interp, score_dtype=dtype(q))
+    elif not m.causal:
+        m.notes.append("no mask")
+    _strip_gqa(m)
+    _check_fits(m)
+    return m
+
+
+# ---- rewrite ---------------------------------------------------------------------------
+
+def _materialise(graph, m: Match, op: Operand) -> Node:
+    n = op.node
+    if m.unsqueeze_batch:
+        n = insert_call(graph, m.anchor, aten.unsqueeze.default, (n, 0))
+    if op.transpose:
+        n = insert_call(graph, m.anchor, aten.permute.default, (n, [0, 1, 3, 2]))
+    if op.expand_batch is not None:
+        s = shape(n)
+        n = insert_call(graph, m.anchor, aten.expand.default, (n, [op.expand_batch, *s[1:]]))
+    return n
+
+
+def _rewrite(graph, m: Match) -> None:
+    q, k, v = (_materialise(graph, m, x) for x in (m.q, m.k, m.v))
+    mask = m.mask
+    if mask is not None and m.mask_negate:
+        mask = insert_call(graph, m.anchor, aten.logical_not.default, (mask,))
+    out = insert_call(graph, m.anchor, torch.ops.metainfer.attention.default,
+                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset))
+    for r in m.replace:
+        r.replace_all_uses_with(out)
+    for r in m.replace_3d:
+        B, Hq, Sq, Dv = shape(out)
+        flat = insert_call(graph, m.anchor, aten.reshape.default, (out, [B * Hq, Sq, Dv]))
+        r.replace_all_uses_with(flat)
+
+
+def _fmt_shape(s) -> str:
+    return "[" + ", ".join(str(x) for x in (s or ())) + "]"
+
+
+def _describe(m: Match, node: Node) -> str:
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    return (f"{location(node)}: {m.form} attention -> metainfer.attention "
+            f"(q {Hq}x{D}, kv {Hkv}x{D}/{Dv}, {Sq}x{Sk}, scale {m.scale:.4g}; {'; '.join(m.notes)})")

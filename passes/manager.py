@@ -1,0 +1,175 @@
+"""The PassManager: runs a pipeline of passes over one graph and records what each did.
+
+It is installed as Inductor's `post_grad_custom_post_pass` (one object per slot), so it sees
+the functional ATen graph after Inductor's own post-grad passes and before lowering. Its
+`uuid()` hashes the passes' source, their options and the target, so Inductor's FX graph
+cache stays enabled and is invalidated whenever any of those change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .base import Pass, PassContext, PassResult
+from .matching import shape, tensor_val
+
+PIPELINE_VERSION = "1"
+
+
+class PassError(RuntimeError):
+    """A pass raised while rewriting a graph."""
+
+    def __init__(self, pass_name: str, graph_index: int, cause: BaseException):
+        super().__init__(f"pass {pass_name!r} failed on graph {graph_index}: {type(cause).__name__}: {cause} "
+                         f"(disable it with disable=({pass_name!r},) to compile without it)")
+        self.pass_name = pass_name
+
+
+@dataclass
+class PassRecord:
+    name: str
+    ran: bool
+    skipped_reason: str | None = None
+    matches: int = 0
+    decisions: list[str] = field(default_factory=list)
+    near_misses: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    graph: int = 0
+    graph_before: str | None = None  # set only when the pass changed the graph
+    graph_after: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.graph_before is not None
+
+    def to_dict(self, with_graphs: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_graphs:
+            d.pop("graph_before")
+            d.pop("graph_after")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PassRecord":
+        return cls(**d)
+
+
+def graph_text(graph: torch.fx.Graph) -> str:
+    """One line per node, with dtype and shape: the format of the graph dumps."""
+    lines = []
+    for n in graph.nodes:
+        v = tensor_val(n)
+        ty = f"{str(v.dtype).replace('torch.', '')}{list(shape(n))}" if v is not None else ""
+        if n.op == "placeholder":
+            lines.append(f"{n.name}: {ty} = input")
+        elif n.op == "output":
+            lines.append(f"return {_fmt(n.args[0])}")
+        else:
+            target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+            if hasattr(n.target, "_schema"):
+                target = str(n.target)
+            args = ", ".join([_fmt(a) for a in n.args] + [f"{k}={_fmt(v)}" for k, v in n.kwargs.items()])
+            lines.append(f"{n.name}: {ty} = {target}({args})")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return "%" + a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, torch.dtype):
+        return str(a).replace("torch.", "")
+    return repr(a)
+
+
+def _package_digest() -> str:
+    """The source of every module in this package (shared matchers and analyses)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def pipeline_fingerprint(passes: list[Pass], disabled: set[str], target, options: dict) -> str:
+    h = hashlib.sha256()
+    h.update(PIPELINE_VERSION.encode())
+    h.update(_package_digest().encode())
+    for p in passes:
+        h.update(p.fingerprint().encode())
+        h.update(b"\0disabled" if p.name in disabled else b"\0on")
+    h.update(json.dumps(target.to_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+class PassManager(CustomGraphPass):
+    """Runs `passes` in order on a graph; `records` holds what the last run did."""
+
+    def __init__(self, passes: list[Pass], target, *, disabled=(), explicit: bool = False,
+                 options: dict | None = None, graph_index: int = 0, keep_graphs: bool = True):
+        self.passes = list(passes)
+        self.explicit = explicit
+        self.target = target
+        self.disabled = set(disabled)
+        self.options = dict(options or {})
+        self.graph_index = graph_index
+        self.keep_graphs = keep_graphs
+        self.records: list[PassRecord] = []
+        self.invocations = 0
+        self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit})
+
+    def uuid(self) -> str:
+        return self._uuid
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.records = self.run(graph)
+        self.invocations += 1
+
+    def run(self, graph: torch.fx.Graph) -> list[PassRecord]:
+        records = []
+        ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
+        for p in self.passes:
+            n0 = len(graph.nodes)
+            rec = PassRecord(name=p.name, ran=False, nodes_before=n0, nodes_after=n0, graph=self.graph_index)
+            reason = "disabled" if p.name in self.disabled else p.skip_reason(self.target, self.explicit)
+            if reason is not None:
+                rec.skipped_reason = reason
+                records.append(rec)
+                continue
+            before = graph_text(graph) if self.keep_graphs else None
+            t0 = time.perf_counter()
+            try:
+                result = p.run(graph, ctx)
+                if not isinstance(result, PassResult):
+                    raise TypeError(f"run() returned {type(result).__name__}, not PassResult")
+                if result.modified:
+                    graph.eliminate_dead_code()
+                    graph.lint()
+            except PassError:
+                raise
+            except Exception as e:
+                raise PassError(p.name, self.graph_index, e) from e
+            rec.seconds = time.perf_counter() - t0
+            rec.ran = True
+            rec.matches = result.matches
+            rec.decisions = list(result.decisions)
+            rec.near_misses = list(result.near_misses)
+            rec.nodes_after = len(graph.nodes)
+            if result.modified and self.keep_graphs:
+                rec.graph_before, rec.graph_after = before, graph_text(graph)
+            records.append(rec)
+        return records

@@ -1,0 +1,205 @@
+"""Helpers for reading and rewriting post-grad ATen graphs.
+
+Post-grad graphs are functional ATen after Inductor's decompositions: softmax is
+amax/sub/exp/sum/div, silu is neg/exp/add/div, tril and masked_fill are iota comparisons and
+`where`, `matmul` is expand/reshape/bmm, and dtype casts are `prims.convert_element_type`.
+Every node carries `meta["val"]`, a fake tensor, so shapes and dtypes are known; shapes may
+be symbolic, so comparisons go through `same()`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+Node = torch.fx.Node
+
+VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
+CONVERT_OPS = (prims.convert_element_type, aten._to_copy)
+
+
+def packet(n: Any):
+    """The overload packet of a call_function node's target (aten.mul for aten.mul.Tensor)."""
+    if not isinstance(n, Node) or n.op != "call_function":
+        return None
+    return getattr(n.target, "overloadpacket", n.target)
+
+
+def is_op(n: Any, *ops) -> bool:
+    p = packet(n)
+    return p is not None and any(p is o or n.target is o for o in ops)
+
+
+def val(n: Any):
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+def tensor_val(n: Any) -> torch.Tensor | None:
+    v = val(n)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(n: Any) -> tuple | None:
+    v = tensor_val(n)
+    return tuple(v.shape) if v is not None else None
+
+
+def dtype(n: Any) -> torch.dtype | None:
+    v = tensor_val(n)
+    return v.dtype if v is not None else None
+
+
+def ndim(n: Any) -> int | None:
+    v = tensor_val(n)
+    return v.dim() if v is not None else None
+
+
+def same(a, b) -> bool:
+    """a == b, provably (works for ints and SymInts)."""
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a: Iterable, b: Iterable) -> bool:
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def is_scalar(x: Any) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def arg(n: Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument `i` (positional) or `name` (keyword) of a call node."""
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def reduces_last_dim(n: Node, rank: int) -> bool:
+    """A reduction node (amax/sum/mean) over exactly the last dim with keepdim=True."""
+    dims = arg(n, 1, "dim")
+    keep = arg(n, 2, "keepdim", False)
+    if isinstance(dims, int):
+        dims = [dims]
+    return bool(keep) and isinstance(dims, (list, tuple)) and len(dims) == 1 and norm_dim(dims[0], rank) == rank - 1
+
+
+def strip(n: Any, ops=CONVERT_OPS) -> Any:
+    """Follow single-input ops (dtype casts by default) back to their source."""
+    while is_op(n, *ops):
+        n = n.args[0]
+    return n
+
+
+def is_noop_expand(n: Node) -> bool:
+    return is_op(n, aten.expand) and shape(n) is not None and same_shape(shape(n), shape(n.args[0]) or ())
+
+
+def binary_operands(n: Node) -> tuple[Any, Any]:
+    return n.args[0], n.args[1]
+
+
+def other_operand(n: Node, one: Any) -> Any:
+    a, b = binary_operands(n)
+    return b if a is one else a if b is one else None
+
+
+def users_outside(nodes: Iterable[Node], allowed: set[Node]) -> list[Node]:
+    """Nodes in `nodes` that have a user outside `allowed` (which should include `nodes`)."""
+    return [n for n in nodes if any(u not in allowed for u in n.users)]
+
+
+def location(n: Node) -> str:
+    """Where a node came from in the model, e.g. 'model.layers.0.self_attn'."""
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        for prefix in ("L['self'].", "L['args'][0].", "L['mod'].", "L['model']."):
+            if path.startswith(prefix):
+                return path[len(prefix):]
+        return path
+    trace = (n.meta.get("stack_trace") or "").strip().splitlines()
+    for line in reversed(trace):
+        line = line.strip()
+        if line.startswith("File "):
+            return line
+    return n.name
+
+
+def order(graph: torch.fx.Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def first_user(nodes: Iterable[Node], pos: dict[Node, int]) -> Node | None:
+    users = [u for n in nodes for u in n.users]
+    return min(users, key=pos.__getitem__) if users else None
+
+
+def fake_call(target, args: tuple, kwargs: dict | None = None):
+    """meta["val"] for a new node: run `target` on the fake values of its Node arguments."""
+    kwargs = kwargs or {}
+    fvals = []
+
+    def to_val(a):
+        if isinstance(a, Node):
+            v = val(a)
+            fvals.append(v)
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_val(x) for x in a)
+        return a
+
+    fargs = tuple(to_val(a) for a in args)
+    fkwargs = {k: to_val(v) for k, v in kwargs.items()}
+    mode = torch._guards.detect_fake_mode([v for v in fvals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError(f"cannot infer the value of a new {target} node: its inputs carry no fake tensors")
+    with mode:
+        return target(*fargs, **fkwargs)
+
+
+def insert_call(graph: torch.fx.Graph, before: Node, target, args: tuple, kwargs: dict | None = None,
+                meta_from: Node | None = None) -> Node:
+    """Insert `target(*args, **kwargs)` before `before`, with meta["val"] and provenance set."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = fake_call(target, args, kwargs)
+    src = meta_from if meta_from is not None else before
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
+        if key in src.meta:
+            node.meta[key] = src.meta[key]
+    return node
+
+
+def replace_with(old: Node, new: Node) -> None:
+    """Point every user of `old` at `new` (the caller leaves `old` to dead-code elimination)."""
+    old.replace_all_uses_with(new)
+
+
+def constant_value(n: Any) -> float | None:
+    """A Python number for scalars and for 0-dim `full`/`scalar_tensor` nodes, else None."""
+    if is_scalar(n):
+        return float(n)
+    if is_op(n, aten.full) and len(n.args) >= 2 and is_scalar(n.args[1]) and tuple(n.args[0]) in ((), [], (1,)):
+        return float(n.args[1])
+    if is_op(n, aten.scalar_tensor) and is_scalar(n.args[0]):
+        return float(n.args[0])
+    return None
+
+
+def unset_fake():
+    return unset_fake_temporarily()

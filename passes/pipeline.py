@@ -1,0 +1,42 @@
+"""The default pipeline for each target, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from metainfer.targets import Target
+
+from .base import Pass, get_pass, pass_names
+
+# Order matters little (the patterns do not overlap); attention first, as it removes the
+# most nodes, then the pointwise/norm fusions around it.
+DEFAULT_ORDER = ("fuse_attention", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu")
+
+
+def default_pipeline(target: Target) -> list[str]:
+    """Every pass in DEFAULT_ORDER; each one skips itself where it does not pay."""
+    return list(DEFAULT_ORDER)
+
+
+def resolve(target: Target, passes: Iterable | None = None, disable: Iterable[str] = ()) -> tuple[list[Pass], set[str], bool]:
+    """(the Pass objects to run, the names disabled, whether the list was given explicitly).
+    Unknown names are a ValueError."""
+    disable = (disable,) if isinstance(disable, str) else tuple(disable)
+    known = pass_names()
+    explicit_names = {p.name for p in passes if isinstance(p, Pass)} if passes is not None else set()
+    for name in disable:
+        if name not in known and name not in explicit_names:
+            raise ValueError(f"disable={name!r}: no such pass; known passes: {', '.join(known)}")
+    chosen: list[Pass] = []
+    for p in (default_pipeline(target) if passes is None else passes):
+        if isinstance(p, Pass):
+            chosen.append(p)
+        elif isinstance(p, str):
+            chosen.append(get_pass(p))
+        else:
+            raise TypeError(f"passes= takes pass names or Pass objects, got {type(p).__name__}")
+    names = [p.name for p in chosen]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"passes listed twice: {sorted(dup)}")
+    return chosen, set(disable), passes is not None

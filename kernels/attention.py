@@ -5,6 +5,8 @@ query head h reads kv head h // (Hq // Hkv), K/V are never expanded). `mask` is 
 broadcastable to (B, Hq, Sq, Sk): float = added to the scaled scores, bool = True keeps.
 `causal` keeps key j for query i iff j <= i + causal_offset (offset 0 is torch's top-left
 `is_causal`; Sk - Sq is the bottom-right form a decode step with a KV cache needs).
+A query row that keeps no key gives NaN, as softmax over an all -inf row does in eager code,
+or 0 with `zero_empty_rows` (what torch's SDPA returns there).
 D and Dv may differ (MLA), both up to 256. The output is (B, Hq, Sq, Dv), contiguous, in
 q's dtype; accumulation is float32.
 
@@ -49,6 +51,7 @@ def _attention_fwd(
     scale, causal_offset,
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,8 +112,11 @@ def _attention_fwd(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    # a row with no key kept gives 0/0 = NaN, as softmax over an all -inf row does in eager
-    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    # a row with no key kept: 0/0 = NaN as in eager softmax, or 0 as SDPA gives
+    l_div = tl.where(row_ok, l_i, 1.0)
+    if ZERO_EMPTY_ROWS:
+        l_div = tl.where(l_div == 0.0, 1.0, l_div)
+    out = acc / l_div[:, None]
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
 
@@ -119,7 +125,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_inputs(q, k, v, mask, scale, causal, causal_offset) -> None:
+def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(NAME, name, t)
@@ -151,11 +157,13 @@ def check_inputs(q, k, v, mask, scale, causal, causal_offset) -> None:
     check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be a finite number, got {scale!r}")
     check(isinstance(causal, bool), NAME, f"causal must be a bool, got {causal!r}")
     check(isinstance(causal_offset, int), NAME, f"causal_offset must be an int, got {causal_offset!r}")
+    check(isinstance(zero_empty_rows, bool), NAME, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
 
 
-def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, *, config: dict) -> torch.Tensor:
+def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False, *,
+           config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` holds BLOCK_M, BLOCK_N, num_warps, num_stages."""
-    check_inputs(q, k, v, mask, scale, causal, causal_offset)
+    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
@@ -174,7 +182,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, *, con
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
         Hq, Hq // Hkv, Sq, Sk, D, Dv,
         float(scale), int(causal_offset),
-        MASK_KIND=mask_kind, CAUSAL=bool(causal),
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -192,7 +200,7 @@ def _keep_mask(Sq: int, Sk: int, causal_offset: int, device) -> torch.Tensor:
     return j <= i + causal_offset
 
 
-def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0) -> torch.Tensor:
+def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zero_empty_rows=False) -> torch.Tensor:
     """Plain math in float32 (K/V expanded, full score matrix): the oracle for tests."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
@@ -203,16 +211,20 @@ def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0) -> 
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
     if causal:
         s = s.masked_fill(~_keep_mask(q.shape[2], k.shape[2], causal_offset, q.device), float("-inf"))
-    return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+    p = torch.softmax(s, dim=-1)
+    if zero_empty_rows:
+        p = p.nan_to_num(nan=0.0)
+    return (p @ vf).to(q.dtype)
 
 
 # Score-matrix bytes per chunk in the CPU path: bounds its memory at O(chunk x Sk).
 _CPU_CHUNK_BYTES = 64 * 2**20
 
 
-def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int) -> torch.Tensor:
+def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int,
+                zero_empty_rows: bool = False) -> torch.Tensor:
     """CPU path: torch's fused flash kernel where it computes exactly this, else chunked."""
-    check_inputs(q, k, v, mask, scale, causal, causal_offset)
+    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
     sdpa_ok = (
         q.shape[-1] == v.shape[-1]  # the CPU flash kernel needs Dv == D, else torch materialises
         and (mask is None or mask.dtype in (torch.bool, q.dtype))
@@ -221,12 +233,18 @@ def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int) -
     if sdpa_ok:
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1])
-        return out.contiguous()
-    return _chunked(q, k, v, mask, scale, causal, causal_offset)
+            enable_gqa=q.shape[1] != k.shape[1]).contiguous()
+        if mask is not None and not zero_empty_rows:
+            # SDPA returns 0 for a query row with no key kept; softmax math gives NaN
+            keeps = mask if mask.dtype == torch.bool else mask > float("-inf")
+            empty = ~keeps.any(dim=-1, keepdim=True)
+            if empty.any():
+                out = out.masked_fill(empty, float("nan"))
+        return out
+    return _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
 
 
-def _chunked(q, k, v, mask, scale, causal, causal_offset) -> torch.Tensor:
+def _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -245,7 +263,10 @@ def _chunked(q, k, v, mask, scale, causal, causal_offset) -> torch.Tensor:
             s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
         if causal:
             s = s.masked_fill(~_keep_mask(i1 - i0, Sk, causal_offset + i0, q.device), float("-inf"))
-        og[:, :, :, i0:i1] = (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+        p = torch.softmax(s, dim=-1)
+        if zero_empty_rows:
+            p = p.nan_to_num(nan=0.0)
+        og[:, :, :, i0:i1] = (p @ vf).to(q.dtype)
     return out
 
 

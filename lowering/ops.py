@@ -27,16 +27,16 @@ __all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "rope"]
 
 @torch.library.custom_op("metainfer::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-              causal: bool, causal_offset: int) -> Tensor:
+              causal: bool, causal_offset: int, zero_empty_rows: bool) -> Tensor:
     """softmax(q k^T * scale + mask) v with GQA, see metainfer.kernels.attention."""
     if kernels.use_triton(q):
         cfg = config_for("attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
-        return _attention.launch(q, k, v, mask, scale, causal, causal_offset, config=cfg)
-    return _attention.cpu_forward(q, k, v, mask, scale, causal, causal_offset).contiguous()
+        return _attention.launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, config=cfg)
+    return _attention.cpu_forward(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows).contiguous()
 
 
 @attention.register_fake
-def _(q, k, v, mask, scale, causal, causal_offset):
+def _(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 

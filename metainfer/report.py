@@ -20,7 +20,7 @@ class GraphSection:
     """One graph Dynamo captured (several when the model has graph breaks)."""
 
     index: int
-    break_reasons: list[str] = field(default_factory=list)  # breaks Dynamo hit before this graph
+    break_reasons: list[str] = field(default_factory=list)  # the graph break(s) that ended this graph
     inputs: list[str] = field(default_factory=list)  # dtype[shape] of each graph input
     records: list[PassRecord] = field(default_factory=list)
     lowering: str = "inductor"
@@ -88,7 +88,7 @@ class Report:
         for s in self.sections:
             head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}]"
             if s.break_reasons:
-                head += f" after a graph break: {s.break_reasons[0]}"
+                head += f"; ends at a graph break: {s.break_reasons[0]}"
             out.append(head)
             rows = [("pass", "ran", "matches", "nodes", "ms", "what it did")]
             for r in s.records:
@@ -121,7 +121,7 @@ class Report:
         for s in self.sections:
             md += ["", f"## Graph {s.index}", ""]
             if s.break_reasons:
-                md.append("Graph break(s) before this graph:")
+                md.append("Dynamo ended this graph at a graph break:")
                 md += [f"- {b}" for b in s.break_reasons]
                 md.append("")
             md.append(f"Lowering: {s.lowering}{' (compiled graph reused from cache)' if s.from_cache else ''}; "

@@ -73,6 +73,7 @@ class Match:
     mask: Node | None = None
     mask_negate: bool = False  # mask is a "drop" predicate: pass logical_not(mask)
     unsqueeze_batch: bool = False  # operands were 3-D (batch*heads, seq, dim)
+    zero_empty_rows: bool = False  # SDPA's convention for query rows with no key kept
     notes: list[str] = field(default_factory=list)
 
 
@@ -442,7 +443,7 @@ def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
             elif u.users:
                 raise NearMiss(f"auxiliary output {u.args[1]} (e.g. logsumexp) is used")
     m = Match(form=form, anchor=node, replace=anchor_outs, replace_3d=[], q=Operand(q), k=Operand(k),
-              v=Operand(v), scale=float(scale))
+              v=Operand(v), scale=float(scale), zero_empty_rows=True)
     if kw.get("is_causal", False):
         m.causal, m.causal_offset = True, 0
         m.notes.append("causal (is_causal)")
@@ -479,7 +480,7 @@ def _rewrite(graph, m: Match) -> None:
     if mask is not None and m.mask_negate:
         mask = insert_call(graph, m.anchor, aten.logical_not.default, (mask,))
     out = insert_call(graph, m.anchor, torch.ops.metainfer.attention.default,
-                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset))
+                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset, m.zero_empty_rows))
     for r in m.replace:
         r.replace_all_uses_with(out)
     for r in m.replace_3d:
@@ -494,5 +495,6 @@ def _fmt_shape(s) -> str:
 
 def _describe(m: Match, node: Node) -> str:
     B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    v = f", v dim {Dv}" if not same(Dv, D) else ""
     return (f"{location(node)}: {m.form} attention -> metainfer.attention "
-            f"(q {Hq}x{D}, kv {Hkv}x{D}/{Dv}, {Sq}x{Sk}, scale {m.scale:.4g}; {'; '.join(m.notes)})")
+            f"({Hq} q heads / {Hkv} kv heads x {D}{v}, {Sq} x {Sk} tokens, scale {m.scale:.4g}; {'; '.join(m.notes)})")

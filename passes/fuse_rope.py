@@ -7,6 +7,8 @@ separately (each a match). cos and sin are read as they are, broadcast (e.g. (B,
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
@@ -22,6 +24,8 @@ class FuseRoPE(Pass):
     """x * cos + rotate_half(x) * sin -> metainfer::rope"""
 
     name = "fuse_rope"
+    profitable_kinds = ("cuda",)
+    unprofitable_why = "Inductor's C++ loops already fuse this chain"
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)
@@ -45,6 +49,38 @@ class FuseRoPE(Pass):
         return res
 
 
+def _half_of(n, rank: int) -> tuple[Node, int, list[Node]] | None:
+    """(x, 0 or 1, nodes) if n is the low (0) or high (1) half of x along the last dim:
+    a slice, or one output of split/chunk."""
+    if is_op(n, aten.slice):
+        x = n.args[0]
+        d = shape(x)[-1] if shape(x) else None
+        if not isinstance(d, int) or d % 2:
+            return None
+        a = list(n.args) + [None] * (5 - len(n.args))
+        dim, start, end, step = a[1], a[2] or 0, a[3], a[4] or 1
+        end = d if end is None or (isinstance(end, int) and end >= d) else end
+        if norm_dim(dim, rank) != rank - 1 or step != 1:
+            return None
+        if (start, end) == (0, d // 2):
+            return x, 0, [n]
+        if (start, end) == (d // 2, d):
+            return x, 1, [n]
+        return None
+    if n.op == "call_function" and n.target is operator.getitem and is_op(n.args[0], aten.split, aten.split_with_sizes):
+        sp, i = n.args[0], n.args[1]
+        x = sp.args[0]
+        d = shape(x)[-1] if shape(x) else None
+        size = sp.args[1]
+        dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+        if not isinstance(d, int) or d % 2 or norm_dim(dim, rank) != rank - 1:
+            return None
+        ok = size == d // 2 or (isinstance(size, (list, tuple)) and list(size) == [d // 2, d // 2])
+        if ok and i in (0, 1):
+            return x, i, [n, sp]
+    return None
+
+
 def _rotate_half_of(r) -> tuple[Node, list[Node]] | None:
     """x if r == cat(-x[..., h:], x[..., :h], -1) with h = D/2."""
     if not is_op(r, aten.cat):
@@ -54,26 +90,12 @@ def _rotate_half_of(r) -> tuple[Node, list[Node]] | None:
     if len(parts) != 2 or rank is None or norm_dim(dim, rank) != rank - 1:
         return None
     neg, lo = parts
-    if not is_op(neg, aten.neg) or not is_op(lo, aten.slice) or not is_op(neg.args[0], aten.slice):
+    if not is_op(neg, aten.neg):
         return None
-    hi = neg.args[0]
-    x = lo.args[0]
-    if hi.args[0] is not x:
+    hi, lo = _half_of(neg.args[0], rank), _half_of(lo, rank)
+    if hi is None or lo is None or hi[0] is not lo[0] or hi[1] != 1 or lo[1] != 0:
         return None
-    d = shape(x)[-1]
-    if not isinstance(d, int) or d % 2:
-        return None
-    h = d // 2
-
-    def sl(s):
-        a = list(s.args) + [None] * (5 - len(s.args))
-        dim_, start, end, step = a[1], a[2] or 0, a[3], a[4] or 1
-        end = d if end is None or (isinstance(end, int) and end >= d) else end
-        return norm_dim(dim_, rank), start, end, step
-
-    if sl(hi) != (rank - 1, h, d, 1) or sl(lo) != (rank - 1, 0, h, 1):
-        return None
-    return x, [r, neg, hi, lo]
+    return hi[0], [r, neg, *hi[2], *lo[2]]
 
 
 def _match(add: Node):

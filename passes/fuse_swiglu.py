@@ -23,6 +23,8 @@ class FuseSwiGLU(Pass):
     """silu(gate) * up -> metainfer::swiglu"""
 
     name = "fuse_swiglu"
+    profitable_kinds = ("cuda",)
+    unprofitable_why = "Inductor's C++ loops already fuse this chain"
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

@@ -170,7 +170,20 @@ def _compare(x: Value, y: Value, op: str, n: int) -> Value | None:
     ax, ay = _as_affine(x), _as_affine(y)
     if ax is None or ay is None:
         return None
-    return Pred(n, ("cmp", _affine_add(ax, ay, -1), op))
+    return Pred(n, _atom(_affine_add(ax, ay, -1), op))
+
+
+def _atom(a: Affine, op: str) -> tuple:
+    """("cmp", a, op), or ("true",)/("false",) when indices being >= 0 decide it."""
+    if not a.coeffs:
+        return ("true",) if _PY_CMP[op](a.const, 0) else ("false",)
+    if len(a.coeffs) == 1:
+        k = a.coeffs[0][1]
+        # k * i + c over i >= 0 is smallest (k > 0) or largest (k < 0) at i = 0
+        if (k > 0 and op in (">=", ">")) or (k < 0 and op in ("<=", "<")):
+            if _PY_CMP[op](a.const, 0):
+                return ("true",)
+    return ("cmp", a, op)
 
 
 def _combine(op: str, x: Value, y: Value, n: int) -> Value | None:

@@ -1,0 +1,122 @@
+"""The `metainfer` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _load_model(spec: str, dtype, attn: str | None):
+    """A models/ name, or a Hugging Face config.json (random weights, nothing downloaded)."""
+    import torch
+
+    from metainfer import models
+
+    if spec in models.names():
+        model = models.build(spec, dtype=dtype)
+        vocab = models.config(spec).vocab_size
+        return model, vocab, f"models/{spec}"
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"metainfer: --model {spec!r} is neither a models/ name ({', '.join(models.names())}) "
+                         "nor a Hugging Face config.json")
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("metainfer: a Hugging Face config needs `pip install transformers`")
+    cfg = transformers.AutoConfig.from_pretrained(str(path))
+    if attn:
+        cfg._attn_implementation = attn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype).eval(), cfg.vocab_size, f"{type(model).__name__} from {path}"
+
+
+def cmd_optimize(a) -> int:
+    import torch
+
+    import metainfer
+
+    dtype = getattr(torch, _DTYPES[a.dtype])
+    model, vocab, what = _load_model(a.model, dtype, a.attn)
+    ids = torch.randint(0, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    print(f"optimizing {what} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{str(dtype).replace('torch.', '')}) for target {a.target}, input {a.batch}x{a.seq} tokens")
+    t0 = time.perf_counter()
+    opt = metainfer.optimize(model, a.target, example_inputs=(ids,), passes=a.passes, disable=a.disable or (),
+                             verify=a.verify, dump_dir=a.dump, lowering=a.lowering)
+    print(f"compiled in {time.perf_counter() - t0:.1f} s\n")
+    print(opt.report)
+    if a.dump:
+        print(f"\nreport and graph dumps written to {a.dump}/")
+    return 0
+
+
+def cmd_targets(a) -> int:
+    from metainfer import targets
+
+    for name in targets.names():
+        t = targets.get(name)
+        if a.json:
+            continue
+        islands = " + ".join(str(len(i)) for i in t.topology.islands)
+        print(f"{name:10s} {t.device.kind:5s} {t.num_devices} x {t.device.name:20s} islands {islands:7s} "
+              f"p2p {'yes' if t.topology.p2p else 'no':3s}  {t.description}")
+    if a.json:
+        print(json.dumps({n: targets.get(n).to_dict() for n in targets.names()}, indent=2, default=str))
+    return 0
+
+
+def cmd_passes(a) -> int:
+    from metainfer import passes
+
+    for name in passes.pass_names():
+        p = passes.get_pass(name)
+        print(f"{name:16s} {p.summary}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="metainfer", description="Compiler passes for LLM inference on long-tail accelerators.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    o = sub.add_parser("optimize", help="optimize a model for a target and print the pass report")
+    o.add_argument("--model", required=True, help="a models/ name (e.g. llama-tiny) or a Hugging Face config.json")
+    o.add_argument("--target", default="cpu", help="target name (see `metainfer targets`) or TOML path")
+    o.add_argument("--dump", metavar="DIR", help="write report.json, report.md and graph dumps here")
+    o.add_argument("--batch", type=int, default=1)
+    o.add_argument("--seq", type=int, default=64)
+    o.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    o.add_argument("--attn", choices=("eager", "sdpa"), help="attention implementation of a Hugging Face model")
+    o.add_argument("--passes", nargs="+", help="explicit pipeline (pass names)")
+    o.add_argument("--disable", nargs="+", help="pass names to skip")
+    o.add_argument("--lowering", choices=("inductor", "aot_eager"))
+    o.add_argument("--verify", action="store_true", help="check outputs against eager; name the first bad pass")
+    o.set_defaults(fn=cmd_optimize)
+
+    t = sub.add_parser("targets", help="list the built-in targets")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_targets)
+
+    p = sub.add_parser("passes", help="list the registered passes")
+    p.set_defaults(fn=cmd_passes)
+
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"metainfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

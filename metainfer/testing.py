@@ -1,0 +1,76 @@
+"""Helpers for testing passes, for this project's tests and for users' own passes.
+
+    gm, args = capture_graph(fn, *inputs)    # functional ATen, Inductor's decompositions
+    after, rec = run_pass("fuse_attention", gm)
+    assert rec.matches == 1
+    assert_graphs_equivalent(gm, after, args)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from metainfer import targets as _targets
+from metainfer.passes import Pass, PassManager, PassRecord, get_pass
+from metainfer.verify import mismatch
+
+
+def capture_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
+    """The graph metainfer's passes would see for `fn(*inputs)`: Dynamo capture, then
+    AOTAutograd with Inductor's decompositions (functional ATen with fake-tensor metadata).
+    Returns the graph and its inputs in the graph's order (Dynamo orders them by first use;
+    a module's parameters are inputs too)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    box: dict = {}
+
+    def backend(gm, example_inputs):
+        box["inputs"] = list(example_inputs)
+
+        def fw(fx_gm, fx_inputs):
+            if "gm" in box:
+                raise RuntimeError("capture_graph: the function has a graph break; capture one graph at a time")
+            box["gm"] = fx_gm
+            return make_boxed_func(fx_gm.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=select_decomp_table())
+
+    # every capture of the same code (a test's closure, say) is a new cache entry for Dynamo
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
+    return box["gm"], box["inputs"]
+
+
+def fresh_like(inputs) -> list:
+    """New random values for the floating-point inputs (others kept): equivalence on inputs
+    the graph was not captured with."""
+    return [torch.randn_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+
+
+def run_pass(p: "Pass | str", gm: torch.fx.GraphModule, target="cpu", options: dict | None = None
+             ) -> tuple[torch.fx.GraphModule, PassRecord]:
+    """Run one pass (even where it would not pay) on a copy of `gm`."""
+    p = get_pass(p) if isinstance(p, str) else p
+    out = copy.deepcopy(gm)
+    mgr = PassManager([p], _targets.get(target), explicit=True, options=options)
+    mgr(out.graph)
+    out.recompile()
+    return out, mgr.records[0]
+
+
+def assert_graphs_equivalent(before: torch.fx.GraphModule, after: torch.fx.GraphModule, inputs) -> None:
+    with torch.no_grad():
+        ref, out = before(*inputs), after(*inputs)
+    why = mismatch(ref, out)
+    if why is not None:
+        raise AssertionError(f"graphs differ: {why}")
+
+
+def count_calls(gm: torch.fx.GraphModule, op) -> int:
+    """How many call_function nodes target `op` (an OpOverload or its packet)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and (n.target is op or getattr(n.target, "overloadpacket", None) is op))

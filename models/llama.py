@@ -1,0 +1,173 @@
+"""A Llama-style decoder in plain PyTorch, written the way day-0 community ports are:
+hand-written RMSNorm, SwiGLU MLP, rotate-half RoPE, eager attention with `repeat_kv` and a
+causal mask built with tril + masked_fill in the forward. Nothing here is fused: this is
+the code metainfer's passes are meant to find.
+
+Configs are data: tiny ones for tests and real-size shapes (Llama-3 8B/70B) for planning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 128256
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+
+CONFIGS = {
+    # tests: 2 layers, GQA 4:2, head dim 16
+    "llama-tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
+                              max_seq_len=256),
+    # demo / CPU benchmark: hidden 256, 8 heads / 2 kv heads (the shape of facts.md's baselines)
+    "llama-small": LlamaConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=704,
+                               max_seq_len=16384),
+    # real shapes (Meta Llama 3 model cards / params.json), for planning; too big to build here
+    "llama3-8b": LlamaConfig(),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # (B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), head h reads kv head h // n_rep
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = repeat_kv(k, self.n_heads // self.n_kv_heads)
+        v = repeat_kv(v, self.n_heads // self.n_kv_heads)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, S)
+        causal = torch.tril(torch.ones(s, s, dtype=torch.bool, device=x.device))
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = F.softmax(scores.float(), dim=-1).type_as(q)
+        out = torch.matmul(probs, v)  # (B, H, S, D)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def rope(self, seq_len: int, device, dtype):
+        # float32 whatever the model dtype, as the reference implementations do
+        d, theta = self.config.head_dim, self.config.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # (S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (S, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        if s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds max_seq_len {self.config.max_seq_len}")
+        x = self.tok_embeddings(tokens)  # (B, S, dim)
+        cos, sin = self.rope(s, tokens.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))  # (B, S, vocab)
+
+
+def build(name_or_config: "str | LlamaConfig" = "llama-tiny", *, dtype=torch.float32, device="cpu",
+          seed: int = 0, **overrides) -> Llama:
+    """A randomly initialised model in eval mode (no weights are downloaded)."""
+    cfg = CONFIGS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    if overrides:
+        cfg = replace(cfg, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def example_inputs(cfg: LlamaConfig, batch: int = 1, seq: int = 32, device="cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),)

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+# Keep metainfer's record cache inside the test run (Inductor's own cache is left alone:
+# reusing it between runs only makes them faster, and cache hits are a case under test).
+os.environ.setdefault("METAINFER_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "metainfer"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(scope="module")
+def interpret():
+    """Run metainfer's ops through the Triton kernels under Triton's interpreter."""
+    from metainfer import kernels
+
+    if not kernels.INTERPRETED:
+        pytest.skip("kernels were built for a GPU (set METAINFER_TRITON_INTERPRET=1 to interpret)")
+    with kernels.interpret(True):
+        yield

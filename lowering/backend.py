@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 from metainfer import targets as _targets
 from metainfer.passes import PassManager, resolve
-from metainfer.report import Report
+from metainfer.report import GraphSection, Report
 
 from . import kernel_configs, record_cache
 
@@ -58,7 +58,7 @@ class MetainferBackend:
         self.options = dict(options or {})
         self.report = report if report is not None else Report(target, [p.name for p in self.passes])
         self.capture = capture  # keep (graph, inputs) per section, for bisection
-        self.captured: list[tuple[torch.fx.GraphModule, list]] = []
+        self.captured: list[list] = []  # [Dynamo graph, its first real inputs] per section
         self._breaks_seen = dict(counters["graph_break"])
         kernel_configs.activate(target)
 
@@ -69,16 +69,31 @@ class MetainferBackend:
         return [_break_text(r) for r in new]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        section = self.report.new_section(self._new_breaks(), [_describe_input(x) for x in example_inputs],
-                                          self.lowering)
-        if self.capture:
-            self.captured.append((copy.deepcopy(gm), list(example_inputs)))
+        section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
+                               inputs=[_describe_input(x) for x in example_inputs], lowering=self.lowering)
+        original = copy.deepcopy(gm) if self.capture else None
         t0 = time.perf_counter()
         compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
                                  explicit=self.explicit, lowering=self.lowering, options=self.options,
                                  graph_index=section.index, section=section)
         section.compile_seconds = time.perf_counter() - t0
+        self.report.sections.append(section)  # only graphs that compiled
+        if self.capture:
+            return self._capturing(compiled, original)
         return compiled
+
+    def _capturing(self, compiled, original: torch.fx.GraphModule):
+        """Record the first real inputs of a graph (example inputs hold SymInts when shapes
+        are dynamic), so bisection can re-run it."""
+        entry = [original, None]
+        self.captured.append(entry)
+
+        def run(*args):
+            if entry[1] is None:
+                entry[1] = list(args)
+            return compiled(*args)
+
+        return run
 
 
 def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=False, lowering="inductor",
@@ -119,8 +134,12 @@ def _aot_eager(gm, example_inputs, manager: PassManager):
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
 
     def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
+        # as Inductor's post-grad passes do: views become reshapes, so a rewritten node whose
+        # output strides differ (metainfer ops return contiguous tensors) stays valid
+        view_to_reshape(fx_gm)
         manager(fx_gm.graph)
         fx_gm.recompile()
         return make_boxed_func(fx_gm.forward)

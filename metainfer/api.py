@@ -37,7 +37,9 @@ class OptimizedModel:
 
     def __call__(self, *args, **kwargs):
         _check_devices(self.target, args, kwargs, what="input")
-        with torch.no_grad():
+        # model constants (eps, attention scales) stay Python numbers in the graph rather than
+        # becoming graph inputs, which Dynamo does by default once it compiles dynamic shapes
+        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
             out = self._compiled(*args, **kwargs)
         if self._dump_dir and len(self.report.sections) != self._dumped_sections:
             self.report.save(self._dump_dir)
@@ -112,7 +114,7 @@ def _build(model, target, passes, disable, lowering, pass_options, capture) -> t
     # forward; allow more than the default 8 so a process can optimize many models.
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
-    return backend, torch.compile(model, backend=backend)
+    return backend, torch.compile(model, backend=backend, dynamic=os.environ.get("METAINFER_DYNAMIC") == "1" or None)
 
 
 def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passes: Iterable | None = None,

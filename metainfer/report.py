@@ -63,11 +63,6 @@ class Report:
                 return r
         raise KeyError(f"no record of pass {pass_name!r} on graph {graph}")
 
-    def new_section(self, break_reasons: list[str], inputs: list[str], lowering: str) -> GraphSection:
-        s = GraphSection(index=len(self.sections), break_reasons=break_reasons, inputs=inputs, lowering=lowering)
-        self.sections.append(s)
-        return s
-
     # -- output ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -25,6 +25,7 @@ def capture_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
 
     box: dict = {}
 
@@ -34,6 +35,7 @@ def capture_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
         def fw(fx_gm, fx_inputs):
             if "gm" in box:
                 raise RuntimeError("capture_graph: the function has a graph break; capture one graph at a time")
+            view_to_reshape(fx_gm)  # as in Inductor's post-grad graphs
             box["gm"] = fx_gm
             return make_boxed_func(fx_gm.forward)
 

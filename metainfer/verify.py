@@ -104,6 +104,8 @@ def bisect_captured(backend) -> BisectResult:
     from metainfer.lowering.backend import compile_graph
 
     for index, (gm, inputs) in enumerate(backend.captured):
+        if inputs is None:
+            continue  # compiled but never run
         section = backend.report.sections[index]
         ran = [r.name for r in section.records if r.ran]
         active = [p for p in backend.passes if p.name in ran]

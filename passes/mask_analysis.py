@@ -157,7 +157,7 @@ def _to_pred(v: Value) -> Pred | None:
     return None
 
 
-def _compare(x: Value, y: Value, op: str, n: int) -> Value | None:
+def _compare(x: Value, y: Value, op: str, n: int, sizes: dict[int, int] | None = None) -> Value | None:
     # Select(p, a, b) OP c: decide each branch
     for s, other, o in ((x, y, op), (y, x, _FLIP[op])):
         if isinstance(s, Select) and isinstance(other, Const):
@@ -170,13 +170,22 @@ def _compare(x: Value, y: Value, op: str, n: int) -> Value | None:
     ax, ay = _as_affine(x), _as_affine(y)
     if ax is None or ay is None:
         return None
-    return Pred(n, _atom(_affine_add(ax, ay, -1), op))
+    return Pred(n, _atom(_affine_add(ax, ay, -1), op, sizes or {}))
 
 
-def _atom(a: Affine, op: str) -> tuple:
-    """("cmp", a, op), or ("true",)/("false",) when indices being >= 0 decide it."""
+def _atom(a: Affine, op: str, sizes: dict[int, int]) -> tuple:
+    """("cmp", a, op), or ("true",)/("false",) when the index ranges decide it: every index is
+    >= 0, and below its axis size where that size is a known int (static shapes)."""
     if not a.coeffs:
         return ("true",) if _PY_CMP[op](a.const, 0) else ("false",)
+    if all(isinstance(sizes.get(ax), int) for ax, _ in a.coeffs):
+        lo = a.const + sum(min(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
+        hi = a.const + sum(max(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
+        if op in ("<=", "<", ">=", ">"):
+            if _PY_CMP[op](hi, 0) and _PY_CMP[op](lo, 0):
+                return ("true",)
+            if not _PY_CMP[op](hi, 0) and not _PY_CMP[op](lo, 0):
+                return ("false",)
     if len(a.coeffs) == 1:
         k = a.coeffs[0][1]
         # k * i + c over i >= 0 is smallest (k > 0) or largest (k < 0) at i = 0
@@ -234,9 +243,17 @@ class MaskInterpreter:
         if n not in self.memo:
             self.memo[n] = None  # cycles are impossible in a DAG; this also guards recursion
             try:
-                self.memo[n] = self._eval(n)
+                v = self._eval(n)
             except (TypeError, ValueError, IndexError, KeyError):
-                self.memo[n] = None
+                v = None
+            s = shape(n)
+            if v is not None and s is not None and not isinstance(v, Const):
+                # an axis of size 1 has index 0 only; drop its coefficient so that implicit
+                # broadcasting against a longer axis stays exact
+                ones = {i - len(s) for i, d in enumerate(s) if same(d, 1)}
+                if ones:
+                    v = _drop_axes(v, ones)
+            self.memo[n] = v
         return self.memo[n]
 
     def _eval(self, n: Node) -> Value | None:
@@ -318,7 +335,9 @@ class MaskInterpreter:
                 x, y = self.value(a[0]), self.value(a[1])
                 if x is None or y is None:
                     return None
-                return _compare(x, y, sym, rank)
+                out_shape = shape(n)
+                sizes = {i - rank: d for i, d in enumerate(out_shape) if isinstance(d, int)}
+                return _compare(x, y, sym, rank, sizes)
         for ops, how in (((aten.logical_and, aten.bitwise_and), "and"), ((aten.logical_or, aten.bitwise_or), "or")):
             if is_op(n, *ops):
                 x, y = self.value(a[0]), self.value(a[1])

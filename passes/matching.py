@@ -14,7 +14,6 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
@@ -165,7 +164,8 @@ def fake_call(target, args: tuple, kwargs: dict | None = None):
 
     fargs = tuple(to_val(a) for a in args)
     fkwargs = {k: to_val(v) for k, v in kwargs.items()}
-    mode = torch._guards.detect_fake_mode([v for v in fvals if isinstance(v, torch.Tensor)])
+    leaves = torch.utils._pytree.tree_leaves(fvals)
+    mode = torch._guards.detect_fake_mode([v for v in leaves if isinstance(v, torch.Tensor)])
     if mode is None:
         raise RuntimeError(f"cannot infer the value of a new {target} node: its inputs carry no fake tensors")
     with mode:
@@ -194,12 +194,10 @@ def constant_value(n: Any) -> float | None:
     """A Python number for scalars and for 0-dim `full`/`scalar_tensor` nodes, else None."""
     if is_scalar(n):
         return float(n)
-    if is_op(n, aten.full) and len(n.args) >= 2 and is_scalar(n.args[1]) and tuple(n.args[0]) in ((), [], (1,)):
+    if is_op(n, aten.full) and len(n.args) >= 2 and is_scalar(n.args[1]) and tuple(n.args[0]) in ((), (1,)):
         return float(n.args[1])
     if is_op(n, aten.scalar_tensor) and is_scalar(n.args[0]):
         return float(n.args[0])
     return None
 
 
-def unset_fake():
-    return unset_fake_temporarily()

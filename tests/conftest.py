@@ -23,3 +23,11 @@ def interpret():
         pytest.skip("kernels were built for a GPU (set METAINFER_TRITON_INTERPRET=1 to interpret)")
     with kernels.interpret(True):
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Dynamo keeps per-code-object state (cache entries, automatic-dynamic decisions, graph
+    breaks seen) across models of one class; start each test module from a clean slate."""
+    torch._dynamo.reset()
+    yield

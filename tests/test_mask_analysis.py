@@ -24,9 +24,11 @@ def mask_programs(draw):
     negate = draw(st.booleans())
     q_start = draw(st.integers(0, 3))
     form = draw(st.sampled_from(["bool", "additive", "tril"]))
+    broadcast_q = draw(st.booleans())  # one query position broadcast over all rows
     diag = draw(st.integers(-2, 3))
     sq, sk = draw(st.integers(1, 6)), draw(st.integers(1, 9))
-    return dict(atoms=atoms, combine=combine, negate=negate, q_start=q_start, form=form, diag=diag, sq=sq, sk=sk)
+    return dict(atoms=atoms, combine=combine, negate=negate, q_start=q_start, form=form, diag=diag, sq=sq, sk=sk,
+                broadcast_q=broadcast_q)
 
 
 def build(p):
@@ -34,7 +36,10 @@ def build(p):
         if p["form"] == "tril":
             keep = torch.tril(torch.ones(p["sq"], p["sk"], dtype=torch.bool), diagonal=p["diag"])
         else:
-            i = torch.arange(p["q_start"], p["q_start"] + p["sq"]).view(p["sq"], 1)
+            if p.get("broadcast_q"):
+                i = torch.arange(p["q_start"], p["q_start"] + 1).view(1, 1) + torch.zeros(p["sq"], 1, dtype=torch.long)
+            else:
+                i = torch.arange(p["q_start"], p["q_start"] + p["sq"]).view(p["sq"], 1)
             j = torch.arange(p["sk"]).view(1, p["sk"])
             keep = None
             for a, b, c, op in p["atoms"]:

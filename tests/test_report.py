@@ -1,0 +1,86 @@
+"""The report: records, JSON, Markdown, graph dumps, METAINFER_DUMP, graph-break sections."""
+
+import json
+
+import pytest
+import torch
+
+import metainfer
+from metainfer import models
+
+FIELDS = ("name", "ran", "skipped_reason", "matches", "decisions", "seconds", "nodes_before", "nodes_after")
+
+
+@pytest.fixture(scope="module")
+def llama_opt():
+    model = models.build("llama-tiny")
+    (ids,) = models.example_inputs("llama-tiny", batch=1, seq=8)
+    return metainfer.optimize(model, "cpu", example_inputs=(ids,), lowering="aot_eager")
+
+
+def test_records_have_the_contract_fields(llama_opt):
+    r = llama_opt.report
+    assert [p.name for p in r.passes] == ["fuse_attention", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu"]
+    for rec in r.passes:
+        for f in FIELDS:
+            assert hasattr(rec, f)
+    att = r.passes[0]
+    assert att.ran and att.matches == 2 and att.nodes_after < att.nodes_before and att.seconds > 0
+    assert all(d.startswith("layers.") for d in att.decisions), "decisions name the layer"
+    skipped = r.passes[1]
+    assert not skipped.ran and "not profitable on cpu" in skipped.skipped_reason
+
+
+def test_to_dict_is_json_and_str_is_a_table(llama_opt):
+    d = llama_opt.report.to_dict()
+    assert json.loads(json.dumps(d))["graphs"][0]["passes"][0]["name"] == "fuse_attention"
+    text = str(llama_opt.report)
+    assert "fuse_attention" in text and "matches" in text and "target cpu" in text
+
+
+def test_save_writes_json_markdown_and_dumps_of_changed_graphs(llama_opt, tmp_path):
+    llama_opt.report.save(tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["target"] == "cpu"
+    assert "fuse_attention" in (tmp_path / "report.md").read_text()
+    dumps = sorted(p.name for p in (tmp_path / "graphs").iterdir())
+    assert dumps == ["graph0_fuse_attention.after.txt", "graph0_fuse_attention.before.txt",
+                     "graph0_fuse_attention.diff"], "only passes that changed the graph are dumped"
+    after = (tmp_path / "graphs" / "graph0_fuse_attention.after.txt").read_text()
+    assert "metainfer.attention" in after
+    assert "+" in (tmp_path / "graphs" / "graph0_fuse_attention.diff").read_text()
+
+
+def test_dump_env_var(tmp_path, monkeypatch):
+    monkeypatch.setenv("METAINFER_DUMP", str(tmp_path / "d"))
+    model = models.build("llama-tiny", n_layers=1)
+    (ids,) = models.example_inputs("llama-tiny", seq=8)
+    metainfer.optimize(model, "cpu", example_inputs=(ids,), lowering="aot_eager")
+    assert (tmp_path / "d" / "report.json").is_file()
+
+
+class Breaky(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        print("a graph break")  # Dynamo cannot trace print
+        return self.b(y).relu()
+
+
+def test_graph_breaks_give_sections_with_reasons(capsys):
+    opt = metainfer.optimize(Breaky().eval(), "cpu", example_inputs=(torch.randn(2, 8),), verify=True)
+    r = opt.report
+    assert len(r.sections) == 2
+    assert any("print" in b for b in r.sections[0].break_reasons)
+    assert r.graph_breaks and "graph break" in str(r)
+    assert {p.graph for p in r.passes} == {0, 1}
+
+
+def test_lazy_compile_fills_report_on_first_call():
+    model = models.build("llama-tiny", n_layers=1)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    assert opt.report.sections == [] and "not been called" in str(opt.report)
+    opt(torch.randint(0, 256, (1, 8)))
+    assert opt.report.matches("fuse_attention") == 1

@@ -1,0 +1,80 @@
+"""Targets: built-ins, TOML loading and its errors."""
+
+import pytest
+
+from metainfer import targets
+from metainfer.targets import TargetError
+
+REQUIRED = {"cpu", "cuda", "pcie4", "pcie8", "nvlink8"}
+
+
+def test_builtins():
+    assert REQUIRED <= set(targets.names())
+    p8 = targets.get("pcie8")
+    assert p8.num_devices == 8 and p8.device.kind == "cuda"
+    assert [len(i) for i in p8.topology.islands] == [4, 4]
+    assert p8.topology.inter_island.bandwidth < p8.topology.intra_island.bandwidth
+    assert targets.get("nvlink8").topology.intra_island.bandwidth > 10 * p8.topology.intra_island.bandwidth
+    assert targets.get("cpu").device.kind == "cpu"
+
+
+def test_every_number_cites_a_source():
+    """Each hardware number sits under a comment (its source) in the same block of lines."""
+    keys = ("tflops", "bandwidth", "memory_gib", "latency", "launch_overhead")
+    for name in targets.names():
+        lines = open(targets.get(name).source).read().splitlines()
+        for i, line in enumerate(lines):
+            if not any(k in line for k in keys) or line.lstrip().startswith("#"):
+                continue
+            j = i - 1
+            while j >= 0 and lines[j].strip() and not lines[j].lstrip().startswith(("#", "[")):
+                j -= 1
+            assert j >= 0 and lines[j].lstrip().startswith("#"), f"{name}: no source comment for {line!r}"
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match="known targets: cpu, cuda"):
+        targets.get("h100x16")
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "t.toml"
+    p.write_text(text)
+    return p
+
+
+BASE = open(targets.get("pcie4").source).read()
+
+
+def test_missing_field_is_named(tmp_path):
+    p = _write(tmp_path, BASE.replace("memory_bandwidth_gbs = 864\n", ""))
+    with pytest.raises(TargetError, match="'device.memory_bandwidth_gbs' is missing"):
+        targets.load(p)
+
+
+def test_negative_bandwidth_is_named(tmp_path):
+    p = _write(tmp_path, BASE.replace("bandwidth_gbs = 26", "bandwidth_gbs = -26"))
+    with pytest.raises(TargetError, match="'topology.intra_island.bandwidth_gbs' must be positive"):
+        targets.load(p)
+
+
+def test_islands_must_cover_devices(tmp_path):
+    p = _write(tmp_path, BASE.replace("islands = [[0, 1, 2, 3]]", "islands = [[0, 1, 2]]"))
+    with pytest.raises(TargetError, match="cover devices 0..3"):
+        targets.load(p)
+
+
+def test_two_islands_need_an_inter_island_link(tmp_path):
+    p = _write(tmp_path, BASE.replace("islands = [[0, 1, 2, 3]]", "islands = [[0, 1], [2, 3]]"))
+    with pytest.raises(TargetError, match="inter_island' is missing"):
+        targets.load(p)
+
+
+def test_kernel_overrides(tmp_path):
+    from metainfer.lowering import kernel_configs
+
+    t = targets.load(_write(tmp_path, BASE + "\n[kernels.attention]\nBLOCK_M = 32\n"))
+    assert t.kernels["attention"]["BLOCK_M"] == 32
+    bad = targets.load(_write(tmp_path, BASE + "\n[kernels.flashy]\nBLOCK_M = 32\n"))
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernel_configs.activate(bad)

@@ -27,6 +27,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
+    attention: str = "eager"  # "eager" (matmul/softmax/matmul, the day-0 form) or "sdpa"
 
     @property
     def head_dim(self) -> int:
@@ -37,6 +38,8 @@ class LlamaConfig:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.attention not in ("eager", "sdpa"):
+            raise ValueError(f"attention must be 'eager' or 'sdpa', got {self.attention!r}")
 
 
 CONFIGS = {
@@ -81,6 +84,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.sdpa = cfg.attention == "sdpa"
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -93,6 +97,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if self.sdpa:  # what a user would write instead: torch's fused attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         k = repeat_kv(k, self.n_heads // self.n_kv_heads)
         v = repeat_kv(v, self.n_heads // self.n_kv_heads)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, S)

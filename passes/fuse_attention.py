@@ -136,6 +136,11 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
             raise NearMiss("could not follow q, k or v back to 4-D (batch, heads, seq, dim) tensors")
         q, kt, v = Operand(a3), Operand(b3), Operand(v3)
     else:
+        # every 3-D (batch*heads) tensor must split into the same (batch, heads) as q
+        bh = shape(q4)[:2]
+        splits = [shape(t)[:2] for t in (kt4, v4, p4)] + [shape(n)[:2] for n in chain if ndim(n) == 4]
+        if not all(same_shape(s, bh) for s in splits):
+            raise NearMiss("the batch*heads dim is split differently on q, k, v, scores or probabilities")
         q, kt, v = _operand(q4, q_views), _operand(kt4, k_views), _operand(v4, v_views)
 
     # k^T -> k (reuse the transpose the model wrote, else add one)
@@ -153,6 +158,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     # outputs: reshape(pv) to 4-D users get the 4-D result; anything else a 3-D view
     out_shape = _out_shape(m)
     for u in list(pv.users):
+        # a (batch*heads) -> (batch, heads) reshape of the output, in q's order
         if not three_d and is_op(u, *VIEW_OPS) and same_shape(shape(u), out_shape):
             m.replace.append(u)
     if len(m.replace) != len(pv.users):

@@ -25,7 +25,7 @@ from metainfer import targets as _targets
 from metainfer.passes import PassManager, resolve
 from metainfer.report import GraphSection, Report
 
-from . import kernel_configs, record_cache
+from . import compile_cache, kernel_configs
 
 LOWERINGS = ("inductor", "aot_eager")
 
@@ -33,21 +33,65 @@ LOWERINGS = ("inductor", "aot_eager")
 def _describe_input(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+    if isinstance(x, torch.SymInt):
+        return f"Sym({x})"
     return repr(x)
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
+    """dtype[shape] of each graph input as the graph sees it: symbolic sizes stay symbols."""
+    vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(vals) != len(example_inputs) or any(v is None for v in vals):
+        vals = example_inputs
+    return [_describe_input(v) for v in vals]
+
+
+def _guard_failure_counts() -> dict:
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
+def _new_guard_failures(seen: dict, ours: set[str]) -> list[str]:
+    """Guard failures Dynamo recorded since `seen` on graphs this backend compiled (`ours`:
+    their compile ids, "frame/n"): why the graph now compiling was needed. Failures of other
+    backends' graphs of the same code (another optimize() of the same model class) are not."""
+    from torch._dynamo.utils import guard_failures
+
+    out = []
+    for code, reasons in guard_failures.items():
+        for r in reasons[seen.get(code, 0):]:
+            cid, _, text = r.partition(": ")
+            if cid not in ours:
+                continue
+            text = text.strip().splitlines()[0]
+            if text not in out:
+                out.append(text)
+    return out
+
+
+def _current_compile_id() -> str:
+    from torch._guards import CompileContext
+
+    return str(CompileContext.current_compile_id())
 
 
 def _break_text(reason: str) -> str:
     lines = [l.strip() for l in reason.strip().splitlines() if l.strip()]
     head = lines[0] if lines else reason
-    expl = next((l for l in lines[1:] if l.startswith("Explanation:")), "")
-    return f"{head} ({expl[len('Explanation:'):].strip()})" if expl else head
+    detail = ""
+    for label in ("Explanation:", "Developer debug context:"):
+        line = next((l for l in lines[1:] if l.startswith(label)), "")
+        detail = detail or line[len(label):].strip()
+    return f"{head} ({detail})" if detail else head
 
 
 class MetainferBackend:
     """A Dynamo backend bound to one target, pipeline and report."""
 
     def __init__(self, target, passes, disabled=(), *, explicit: bool = False, report: Report | None = None,
-                 lowering: str = "inductor", options: dict | None = None, capture: bool = False):
+                 lowering: str = "inductor", options: dict | None = None, capture: bool = False,
+                 cache_dir=None):
         if lowering not in LOWERINGS:
             raise ValueError(f"unknown lowering {lowering!r}; known: {', '.join(LOWERINGS)}")
         self.target = target
@@ -56,10 +100,14 @@ class MetainferBackend:
         self.explicit = explicit
         self.lowering = lowering
         self.options = dict(options or {})
+        self.cache_dir = compile_cache.cache_dir(cache_dir)
         self.report = report if report is not None else Report(target, [p.name for p in self.passes])
         self.capture = capture  # keep (graph, inputs) per section, for bisection
         self.captured: list[list] = []  # [Dynamo graph, its first real inputs] per section
         self._breaks_seen = dict(counters["graph_break"])
+        self._guards_seen = _guard_failure_counts()
+        self._compile_ids: set[str] = set()
+        self.phase = "forward"  # what the caller is running: "forward", "prefill" or "decode"
         kernel_configs.activate(target)
 
     def _new_breaks(self) -> list[str]:
@@ -69,13 +117,17 @@ class MetainferBackend:
         return [_break_text(r) for r in new]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        recompiled_because = _new_guard_failures(self._guards_seen, self._compile_ids)
+        self._guards_seen = _guard_failure_counts()
+        self._compile_ids.add(_current_compile_id())
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
-                               inputs=[_describe_input(x) for x in example_inputs], lowering=self.lowering)
+                               inputs=_graph_inputs(gm, example_inputs), lowering=self.lowering,
+                               phase=self.phase, recompile_reasons=recompiled_because[:4])
         original = copy.deepcopy(gm) if self.capture else None
         t0 = time.perf_counter()
         compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
                                  explicit=self.explicit, lowering=self.lowering, options=self.options,
-                                 graph_index=section.index, section=section)
+                                 graph_index=section.index, section=section, cache_dir=self.cache_dir)
         section.compile_seconds = time.perf_counter() - t0
         self.report.sections.append(section)  # only graphs that compiled
         if self.capture:
@@ -97,23 +149,25 @@ class MetainferBackend:
 
 
 def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=False, lowering="inductor",
-                  options=None, graph_index=0, section=None):
+                  options=None, graph_index=0, section=None, cache_dir=None):
     """Compile one Dynamo graph with a pipeline; fill `section.records` if given."""
     manager = PassManager(passes, target, disabled=disabled, explicit=explicit, options=options,
                           graph_index=graph_index)
     if lowering == "aot_eager":
         compiled = _aot_eager(gm, example_inputs, manager)
     else:
-        key = record_cache.key(manager.uuid(), gm, example_inputs)
-        compiled = _inductor(gm, example_inputs, manager, caches=True)
-        if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
-            cached = record_cache.load(key)
-            if cached is not None:
-                if section is not None:
-                    section.records, section.from_cache = cached, True
-                return compiled
-            compiled = _inductor(gm, example_inputs, manager, caches=False)
-        record_cache.store(key, manager.records)
+        root = compile_cache.cache_dir(cache_dir)
+        key = compile_cache.key(manager.uuid(), gm, example_inputs)
+        with compile_cache.inductor_writes_to(root):
+            compiled = _inductor(gm, example_inputs, manager, caches=True)
+            if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
+                cached = compile_cache.load(root, key)
+                if cached is not None:
+                    if section is not None:
+                        section.records, section.from_cache = cached, True
+                    return compiled
+                compiled = _inductor(gm, example_inputs, manager, caches=False)
+        compile_cache.store(root, key, manager.records)
     if section is not None:
         section.records = manager.records
     return compiled
@@ -150,7 +204,7 @@ def _aot_eager(gm, example_inputs, manager: PassManager):
 
 # ---- torch.compile(model, backend="metainfer", options={...}) ---------------------------
 
-_OPTION_KEYS = ("target", "passes", "disable", "lowering", "dump_dir", "pass_options")
+_OPTION_KEYS = ("target", "passes", "disable", "lowering", "dump_dir", "pass_options", "cache_dir")
 _last: dict[str, Any] = {"key": None, "backend": None}
 
 
@@ -166,7 +220,7 @@ def metainfer_backend(gm, example_inputs, options: dict | None = None, **unused)
         passes, disabled, explicit = resolve(target, opts.get("passes"), opts.get("disable", ()))
         _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit,
                                             lowering=opts.get("lowering", "inductor"),
-                                            options=opts.get("pass_options"))
+                                            options=opts.get("pass_options"), cache_dir=opts.get("cache_dir"))
         _last["key"] = key
     backend: MetainferBackend = _last["backend"]
     compiled = backend(gm, example_inputs)

@@ -18,6 +18,7 @@ if not (_here / "passes").is_dir() and (_here.parent / "passes" / "__init__.py")
 __version__ = "0.1.0"
 
 from . import targets  # noqa: E402
+from . import cache  # noqa: E402
 from .verify import BisectResult, EquivalenceError  # noqa: E402
 from .api import OptimizedModel, bisect, optimize  # noqa: E402
 from .report import Report  # noqa: E402
@@ -31,5 +32,5 @@ def last_report():
     return _last()
 
 
-__all__ = ["optimize", "bisect", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
+__all__ = ["optimize", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
            "targets", "last_report", "__version__"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -17,13 +20,17 @@ from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mi
 
 
 class OptimizedModel:
-    """The optimized callable: same call signature and outputs as the model; `.report`
-    says what metainfer did. Attributes it does not have are read from the model."""
+    """The optimized callable: same call signature and outputs as the model; `.report` says
+    what metainfer did. `generate()` runs the model's own generate() (Hugging Face, or a
+    models/ model's loop) with every forward call going through the optimized graphs.
+    Attributes it does not have are read from the model."""
 
-    def __init__(self, model: torch.nn.Module, compiled, backend: MetainferBackend, dump_dir: str | None):
+    def __init__(self, model: torch.nn.Module, backend: MetainferBackend, *, dynamic: bool | None,
+                 dump_dir: str | None):
         self.model = model
-        self._compiled = compiled
         self._backend = backend
+        self._forward = model.forward  # bound; what the compiled graphs compute
+        self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
 
@@ -37,14 +44,53 @@ class OptimizedModel:
 
     def __call__(self, *args, **kwargs):
         _check_devices(self.target, args, kwargs, what="input")
-        # model constants (eps, attention scales) stay Python numbers in the graph rather than
-        # becoming graph inputs, which Dynamo does by default once it compiles dynamic shapes
-        with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
-            out = self._compiled(*args, **kwargs)
+        with self._installed(lambda: "forward"):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """The model's generate(), its prefill and decode steps running the optimized graphs
+        (the report labels each graph with its phase)."""
+        if not callable(getattr(type(self.model), "generate", None)):
+            raise AttributeError(f"{type(self.model).__name__} has no generate() method")
+        _check_devices(self.target, args, kwargs, what="input")
+        if getattr(self.model, "generation_config", None) is not None:
+            # Hugging Face would wrap the forward in its own torch.compile on GPUs
+            kwargs.setdefault("disable_compile", True)
+        steps = itertools.count()
+        with self._installed(lambda: "prefill" if next(steps) == 0 else "decode"):
+            return self.model.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _installed(self, phase):
+        """Route the model's forward through the compiled graphs: the model's own __call__
+        (hooks included) and generate() loop stay as they are. `phase()` labels each call."""
+
+        @functools.wraps(self._forward)
+        def forward(*args, **kwargs):
+            _check_shapes(self.model, args, kwargs)
+            self._backend.phase = phase()
+            # model constants (eps, attention scales) stay Python numbers in the graph rather
+            # than graph inputs, which Dynamo makes them once it compiles dynamic shapes
+            with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+                out = self._compiled(*args, **kwargs)
+            self._dump_new_sections()
+            return out
+
+        d = self.model.__dict__
+        previous = d.get("forward", _MISSING)
+        d["forward"] = forward
+        try:
+            yield
+        finally:
+            if previous is _MISSING:
+                d.pop("forward", None)
+            else:
+                d["forward"] = previous
+
+    def _dump_new_sections(self) -> None:
         if self._dump_dir and len(self.report.sections) != self._dumped_sections:
             self.report.save(self._dump_dir)
             self._dumped_sections = len(self.report.sections)
-        return out
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name in ("model",):
@@ -53,6 +99,39 @@ class OptimizedModel:
 
     def __repr__(self) -> str:
         return f"<metainfer.OptimizedModel of {type(self.model).__name__} for {self.target.name}>"
+
+
+_MISSING = object()
+
+
+def _token_input(args, kwargs) -> torch.Tensor | None:
+    for name in ("input_ids", "tokens"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name]
+    return args[0] if args and isinstance(args[0], torch.Tensor) else None
+
+
+def _past_length(kwargs) -> int:
+    cache = kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    start = kwargs.get("start_pos")
+    return start if isinstance(start, int) else 0
+
+
+def _check_shapes(model, args, kwargs) -> None:
+    """Inputs no graph may be asked to compute: empty, or past the model's positions."""
+    ids = _token_input(args, kwargs)
+    if ids is None:
+        return
+    if ids.numel() == 0:
+        raise ValueError(f"empty input: tokens of shape {tuple(ids.shape)} (a batch or sequence of 0)")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and ids.dim() >= 1:
+        end = _past_length(kwargs) + ids.shape[-1]
+        if end > limit:
+            raise ValueError(f"input reaches position {end}, past the model's max_position_embeddings ({limit}); "
+                             "its position embeddings are not defined there")
 
 
 def _as_args(example_inputs) -> tuple[tuple, dict]:
@@ -101,25 +180,31 @@ def _validate_model(model, target) -> None:
                              f"devices; move the model with .to({kind!r}) or pick a {t.device.type} target")
 
 
-def _build(model, target, passes, disable, lowering, pass_options, capture) -> tuple[MetainferBackend, Any]:
+def _build(model, target, passes, disable, lowering, pass_options, capture, cache_dir, dynamic,
+           dump_dir=None) -> OptimizedModel:
     target = _targets.get(target)
     _validate_model(model, target)
     chosen, disabled, explicit = resolve(target, passes, disable)
     lowering = lowering or "inductor"
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; known: {', '.join(LOWERINGS)}")
+    if dynamic not in (None, True, False):
+        raise ValueError(f"dynamic must be None (automatic), True or False, not {dynamic!r}")
+    if dynamic is None and os.environ.get("METAINFER_DYNAMIC") == "1":
+        dynamic = True
     backend = MetainferBackend(target, chosen, disabled, explicit=explicit, lowering=lowering,
-                               options=pass_options, capture=capture)
-    # Each optimize() is a new backend, hence a new Dynamo cache entry for the model class's
+                               options=pass_options, capture=capture, cache_dir=cache_dir)
+    # Each optimize() is a new backend, hence new Dynamo cache entries for the model's
     # forward; allow more than the default 8 so a process can optimize many models.
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
-    return backend, torch.compile(model, backend=backend, dynamic=os.environ.get("METAINFER_DYNAMIC") == "1" or None)
+    return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir)
 
 
 def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passes: Iterable | None = None,
              disable: Iterable[str] = (), verify: bool = False, dump_dir: str | os.PathLike | None = None,
-             lowering: str | None = None, pass_options: dict | None = None) -> OptimizedModel:
+             lowering: str | None = None, pass_options: dict | None = None,
+             cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -131,6 +216,11 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         naming the first pass whose inclusion breaks equivalence.
     dump_dir: write the report and graph dumps there (METAINFER_DUMP does the same).
     lowering: "inductor" (default) or "aot_eager" (same passes, no Inductor codegen).
+    cache_dir: where compiled artifacts are kept and reused across processes (default
+        $METAINFER_CACHE_DIR, else ~/.cache/metainfer); see metainfer.cache.
+    dynamic: Dynamo's choice for shapes: None (default) compiles the first shapes statically
+        and recompiles once with symbolic sizes when they change; True starts symbolic;
+        False specialises every shape (one graph per shape).
     """
     args, kwargs = _as_args(example_inputs)
     if verify and example_inputs is None:
@@ -138,9 +228,9 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t = _targets.get(target)
     if example_inputs is not None:
         _check_devices(t, args, kwargs, what="example_inputs")
-    backend, compiled = _build(model, t, passes, disable, lowering, pass_options, capture=verify)
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None
-    opt = OptimizedModel(model, compiled, backend, dump)
+    opt = _build(model, t, passes, disable, lowering, pass_options, capture=verify, cache_dir=cache_dir,
+                 dynamic=dynamic, dump_dir=dump)
     if example_inputs is None:
         return opt
     out = opt(*args, **kwargs)
@@ -152,7 +242,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
             ref = model(*args, **kwargs)
         why = mismatch(ref, out)
         if why is not None:
-            found = bisect_captured(backend)
+            found = bisect_captured(opt._backend)
             opt.report.notes.append(f"verify: outputs differ from eager: {why}")
             culprit = f"; first failing pass: {found.pass_name!r}" if found.pass_name else ""
             raise EquivalenceError(f"optimized outputs differ from eager on the example inputs: {why}{culprit}. "
@@ -174,11 +264,11 @@ def bisect(model: torch.nn.Module, example_inputs, target="cpu", *, passes: Iter
     args, kwargs = _as_args(example_inputs)
     t = _targets.get(target)
     _check_devices(t, args, kwargs, what="example_inputs")
-    backend, compiled = _build(model, t, passes, disable, lowering, pass_options, capture=True)
+    opt = _build(model, t, passes, disable, lowering, pass_options, capture=True, cache_dir=None, dynamic=None)
     with torch.no_grad():
         ref = model(*args, **kwargs)
-        out = compiled(*args, **kwargs)
-    found = bisect_captured(backend)
+    out = opt(*args, **kwargs)
+    found = bisect_captured(opt._backend)
     if found.equivalent and (why := mismatch(ref, out)) is not None:
         return BisectResult(False, None, None, f"the whole model differs ({why}) but no single graph does: "
                                                "errors accumulate across graphs")

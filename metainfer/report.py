@@ -26,10 +26,20 @@ class GraphSection:
     lowering: str = "inductor"
     from_cache: bool = False  # Inductor reused a compiled graph; records come from metainfer's cache
     compile_seconds: float = 0.0
+    phase: str = "forward"  # "forward", or "prefill"/"decode" when compiled inside generate()
+    recompile_reasons: list[str] = field(default_factory=list)  # guards of earlier graphs that failed
+
+    @property
+    def why(self) -> str:
+        """Why this graph was compiled."""
+        if self.recompile_reasons:
+            return "recompiled: " + "; ".join(self.recompile_reasons)
+        return "first compile of this code"
 
     def to_dict(self, with_graphs: bool = False) -> dict[str, Any]:
         return {
-            "index": self.index, "break_reasons": self.break_reasons, "inputs": self.inputs,
+            "index": self.index, "phase": self.phase, "why": self.why,
+            "recompile_reasons": self.recompile_reasons, "break_reasons": self.break_reasons, "inputs": self.inputs,
             "lowering": self.lowering, "from_cache": self.from_cache,
             "compile_seconds": round(self.compile_seconds, 4),
             "passes": [r.to_dict(with_graphs) for r in self.records],
@@ -48,6 +58,15 @@ class Report:
     def passes(self) -> list[PassRecord]:
         """Every pass record, graph by graph, in the order they ran."""
         return [r for s in self.sections for r in s.records]
+
+    @property
+    def recompilations(self) -> int:
+        """Graphs compiled because an earlier graph's guards failed (new shapes, say)."""
+        return sum(1 for s in self.sections if s.recompile_reasons)
+
+    def compiles(self) -> list[dict[str, Any]]:
+        """One line per compiled graph: index, phase, why, inputs."""
+        return [{"index": s.index, "phase": s.phase, "why": s.why, "inputs": s.inputs} for s in self.sections]
 
     @property
     def graph_breaks(self) -> list[str]:
@@ -70,6 +89,8 @@ class Report:
             "target_description": self.target.description,
             "device_kind": self.target.device.kind,
             "pipeline": self.pipeline,
+            "graphs_compiled": len(self.sections),
+            "recompilations": self.recompilations,
             "graphs": [s.to_dict() for s in self.sections],
             "graph_breaks": self.graph_breaks,
             "notes": self.notes,
@@ -77,11 +98,12 @@ class Report:
 
     def __str__(self) -> str:
         out = [f"metainfer report: target {self.target.name} ({self.target.description}); "
-               f"{len(self.sections)} graph(s); pipeline: {', '.join(self.pipeline) or '(none)'}"]
+               f"{len(self.sections)} graph(s) compiled ({self.recompilations} recompilation(s)); "
+               f"pipeline: {', '.join(self.pipeline) or '(none)'}"]
         if not self.sections:
             out.append("  (nothing compiled yet: the model has not been called)")
         for s in self.sections:
-            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}]"
+            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}] {s.phase}; {_clip(s.why, 160)}"
             if s.break_reasons:
                 head += f"; ends at a graph break: {s.break_reasons[0]}"
             out.append(head)
@@ -110,7 +132,8 @@ class Report:
 
     def to_markdown(self) -> str:
         md = [f"# metainfer report", "", f"- target: `{self.target.name}` ({self.target.description})",
-              f"- pipeline: {', '.join(f'`{p}`' for p in self.pipeline)}", f"- graphs: {len(self.sections)}"]
+              f"- pipeline: {', '.join(f'`{p}`' for p in self.pipeline)}",
+              f"- graphs compiled: {len(self.sections)} ({self.recompilations} recompilation(s))"]
         for n in self.notes:
             md.append(f"- note: {n}")
         for s in self.sections:
@@ -119,6 +142,8 @@ class Report:
                 md.append("Dynamo ended this graph at a graph break:")
                 md += [f"- {b}" for b in s.break_reasons]
                 md.append("")
+            md.append(f"Phase: {s.phase}; compiled because: {s.why}.")
+            md.append("")
             md.append(f"Lowering: {s.lowering}{' (compiled graph reused from cache)' if s.from_cache else ''}; "
                       f"inputs: {', '.join(s.inputs) if s.inputs else '-'}")
             md += ["", "| pass | ran | matches | nodes before -> after | time (ms) |", "|---|---|---|---|---|"]

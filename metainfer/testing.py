@@ -17,11 +17,14 @@ from metainfer.passes import Pass, PassManager, PassRecord, get_pass
 from metainfer.verify import mismatch
 
 
-def capture_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
+def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.GraphModule, list]:
     """The graph metainfer's passes would see for `fn(*inputs)`: Dynamo capture, then
     AOTAutograd with Inductor's decompositions (functional ATen with fake-tensor metadata).
     Returns the graph and its inputs in the graph's order (Dynamo orders them by first use;
-    a module's parameters are inputs too)."""
+    a module's parameters are inputs too). With `dynamic=True` every size is symbolic (sizes
+    of 1 stay specialised, as Dynamo does); with `dynamic=None`, those marked with
+    `torch._dynamo.mark_dynamic`. The inputs list then holds ints for the symbols:
+    `graph_inputs(gm, tensors)` builds it for other sizes."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
@@ -43,8 +46,39 @@ def capture_graph(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
 
     # every capture of the same code (a test's closure, say) is a new cache entry for Dynamo
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*inputs)
-    return box["gm"], box["inputs"]
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
+    gm = box["gm"]
+    if dynamic is not False:
+        tensors = [x for x in box["inputs"] if isinstance(x, torch.Tensor)]
+        return gm, graph_inputs(gm, tensors)
+    return gm, box["inputs"]
+
+
+def graph_inputs(gm: torch.fx.GraphModule, tensors) -> list:
+    """The argument list of a captured graph for these tensor inputs (in the graph's order):
+    each symbolic-size input gets the size it names, read off the tensors' shapes."""
+    tensors = list(tensors)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensor_ph = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    if len(tensor_ph) != len(tensors):
+        raise ValueError(f"the graph takes {len(tensor_ph)} tensors, got {len(tensors)}")
+    sizes = {}
+    for n, t in zip(tensor_ph, tensors):
+        for s, real in zip(n.meta["val"].shape, t.shape):
+            if isinstance(s, torch.SymInt):
+                sizes.setdefault(s.node.expr, real)
+    args, it = [], iter(tensors)
+    for n in placeholders:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            args.append(next(it))
+        elif isinstance(v, torch.SymInt):
+            if v.node.expr not in sizes:
+                raise ValueError(f"no tensor input has a dimension of size {v.node.expr}")
+            args.append(sizes[v.node.expr])
+        else:
+            raise ValueError(f"graph input {n.name} is neither a tensor nor a size")
+    return args
 
 
 def fresh_like(inputs) -> list:

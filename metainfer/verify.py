@@ -114,7 +114,7 @@ def bisect_captured(backend) -> BisectResult:
             for k in range(len(active) + 1):
                 compiled = compile_graph(copy.deepcopy(gm), list(inputs), active[:k], backend.target,
                                          explicit=True, lowering=backend.lowering, options=backend.options,
-                                         graph_index=index)
+                                         graph_index=index, cache_dir=backend.cache_dir)
                 why = mismatch(ref, compiled(*inputs))
                 if why is None:
                     continue

@@ -23,6 +23,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
 from metainfer.kernels.attention import MAX_HEAD_DIM
@@ -31,8 +32,9 @@ from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer
 from . import mask_analysis as ma
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_op, is_scalar,
-    location, ndim, reduces_last_dim, same, same_shape, shape, strip,
+    CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_expand, is_noop_slice,
+    is_op, is_scalar, is_size_read, rehome_size_reads, size_reads_rehomable, skip_noop_views,
+    location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, strip, sym_size_available,
 )
 
 _SDPA_OPS = {
@@ -75,6 +77,7 @@ class Match:
     unsqueeze_batch: bool = False  # operands were 3-D (batch*heads, seq, dim)
     zero_empty_rows: bool = False  # SDPA's convention for query rows with no key kept
     notes: list[str] = field(default_factory=list)
+    region: set[Node] = field(default_factory=set)  # nodes the op replaces (size reads rehomed)
 
 
 @register
@@ -151,7 +154,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
 
     _check_exclusive(region, probs=set(probs_region), allowed_exit=pv)
     m = Match(form="eager", anchor=pv, replace=[], replace_3d=[], q=q, k=k, v=v, scale=scale,
-              unsqueeze_batch=three_d)
+              unsqueeze_batch=three_d, region=set(region) - {pv})
     _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
     _strip_gqa(m)
     _check_fits(m)
@@ -178,7 +181,7 @@ def _peel(n: Node) -> tuple[Node | None, list[Node]]:
                                             and same(s4[3], s3[2])):
         return None, []
     views = [n]
-    while is_op(t, aten.clone) or (is_op(t, aten.expand) and same_shape(shape(t), shape(t.args[0]))):
+    while is_op(t, aten.clone) or is_noop_expand(t) or is_noop_slice(t):
         views.append(t)
         t = t.args[0]
     return t, views
@@ -307,9 +310,11 @@ def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -
         if n is allowed_exit:
             continue
         for u in n.users:
-            if u not in inside:
+            if u not in inside and not is_size_read(u):
                 what = "probabilities" if n in probs else "scores"
                 raise NearMiss(f"the attention {what} ({n.name}) are also used by {u.name}")
+    if not size_reads_rehomable(inside - {allowed_exit}):
+        raise NearMiss("a size of the scores is read and exists nowhere else in the graph")
 
 
 def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
@@ -317,15 +322,15 @@ def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
     offsets, tensors = [], []
     for mk in masks:
         off = ma.causal_offset(mk, interp, kind="additive", score_dtype=score_dtype)
-        (offsets.append(off) if off is not None and off >= 0 else tensors.append((mk, "additive")))
+        (offsets.append(off) if _usable_offset(off, m.anchor) else tensors.append((mk, "additive")))
     for cond, keep_when_true in keeps:
         off = ma.causal_offset(cond, interp, kind="keep" if keep_when_true else "drop", score_dtype=score_dtype)
-        if off is not None and off >= 0:
+        if _usable_offset(off, m.anchor):
             offsets.append(off)
         else:
             tensors.append((cond, "keep" if keep_when_true else "drop"))
-    if len(set(offsets)) > 1:
-        raise NearMiss(f"several causal masks with different offsets {sorted(set(offsets))}")
+    if any(not same(o, offsets[0]) for o in offsets[1:]):
+        raise NearMiss(f"several causal masks with different offsets {[str(o) for o in offsets]}")
     if offsets:
         m.causal, m.causal_offset = True, offsets[0]
         m.notes.append(f"causal, offset {offsets[0]} (mask built in the graph, proven)")
@@ -341,6 +346,15 @@ def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
         m.notes.append("no mask")
 
 
+def _usable_offset(off, anchor: Node) -> bool:
+    """A causal offset the op can take instead of the mask: provably >= 0, so every query row
+    keeps key 0 (with a finfo.min fill an empty row would not be NaN), and, if symbolic,
+    computable from sizes the graph already has."""
+    if off is None or not (same(off, 0) or statically_known_true(off >= 0)):
+        return False
+    return sym_size_available(anchor.graph, anchor, off)
+
+
 def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
     """reshape(expand(unsqueeze(kv, 2), (B, Hkv, rep, S, D)), (B, Hkv*rep, S, D)) -> (kv, rep).
 
@@ -352,12 +366,12 @@ def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
         e = e.args[0]
     if not is_op(e, aten.expand) or ndim(e) != 5:
         return None
-    u = e.args[0]
+    u = skip_noop_views(e.args[0])
     src = None
     if is_op(u, aten.unsqueeze) and u.args[1] in (2, -3):
-        src = u.args[0]
+        src = skip_noop_views(u.args[0])
     elif is_op(u, *VIEW_OPS) and ndim(u) == 5 and ndim(u.args[0]) == 4 and same(shape(u)[2], 1):
-        src = u.args[0]
+        src = skip_noop_views(u.args[0])
     if src is None or ndim(src) != 4:
         return None
     B, Hkv, rep, S, D = shape(e)
@@ -401,13 +415,18 @@ def _check_fits(m: Match) -> None:
         raise NearMiss(f"dtype {dt} is not supported by the attention op")
     if not (isinstance(D, int) and isinstance(Dv, int)) or D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
         raise NearMiss(f"head dims q/k {D}, v {Dv}: the op supports up to {MAX_HEAD_DIM}")
-    if not (same(ks[3], D) and same(vs[2], Sk) and same(vs[1], Hkv)):
+    # K and V read from a growing cache are separate graph inputs, each with its own symbolic
+    # length: equal lengths (and batches) need only be possible here, as the op checks them
+    # on every call and eager code would fail on a mismatch too
+    if not (same(ks[3], D) and maybe_same(vs[2], Sk) and same(vs[1], Hkv)):
         raise NearMiss(f"q/k/v shapes do not line up: q {_fmt_shape(shape(m.q.node))}, "
                        f"k {_fmt_shape(ks)}, v {_fmt_shape(vs)}")
+    if not same(vs[2], Sk):
+        m.notes.append("k/v lengths equal at run time (checked by the op)")
     if not (isinstance(Hq, int) and isinstance(Hkv, int)) or Hq % Hkv:
         raise NearMiss(f"{Hq} query heads are not a multiple of {Hkv} kv heads")
     for name, op, s in (("k", m.k, ks), ("v", m.v, vs)):
-        if not same(s[0], B) and op.expand_batch is None:
+        if not maybe_same(s[0], B) and op.expand_batch is None:
             raise NearMiss(f"{name} batch {s[0]} != q batch {B}")
 
 
@@ -481,6 +500,7 @@ def _materialise(graph, m: Match, op: Operand) -> Node:
 
 
 def _rewrite(graph, m: Match) -> None:
+    rehome_size_reads(graph, m.region)
     q, k, v = (_materialise(graph, m, x) for x in (m.q, m.k, m.v))
     mask = m.mask
     if mask is not None and m.mask_negate:

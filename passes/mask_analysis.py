@@ -8,7 +8,9 @@ input (a padding mask, a cache position tensor) or uses an op not modelled here 
 `None`: unknown, and the caller keeps the mask as a tensor.
 
 Values, all with an `ndim` and aligned to the right like broadcasting:
-- `Affine`: integer tensor, value = sum_a coeff[a] * index[a] + const
+- `Affine`: integer tensor, value = sum_a coeff[a] * index[a] + const (const may be a
+  symbolic size, e.g. the length of a KV cache: comparisons on it are decided only where the
+  shape environment proves them, never by adding a guard)
 - `Const`: a scalar broadcast to the shape
 - `Pred`: boolean expression over comparisons of affines
 - `Select`: where(pred, a, b) with scalar a and b
@@ -23,14 +25,16 @@ from typing import Union
 
 import torch
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from .matching import Node, aten, is_op, is_scalar, ndim, norm_dim, prims, same, shape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Affine:
     ndim: int
     coeffs: tuple[tuple[int, int], ...]  # (axis counted from the right: -1, -2, ...; coefficient)
-    const: int
+    const: "int | torch.SymInt"
 
     def coeff(self, axis: int) -> int:
         return dict(self.coeffs).get(axis, 0)
@@ -62,6 +66,7 @@ _CMP = {aten.le: "<=", aten.lt: "<", aten.ge: ">=", aten.gt: ">", aten.eq: "==",
 _PY_CMP = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt,
            "==": operator.eq, "!=": operator.ne}
 _FLIP = {"<=": ">=", "<": ">", ">=": "<=", ">": "<", "==": "==", "!=": "!="}
+_NEGATE = {"<=": ">", "<": ">=", ">=": "<", ">": "<=", "==": "!=", "!=": "=="}
 
 
 def _with_ndim(v: Value, n: int) -> Value:
@@ -173,24 +178,37 @@ def _compare(x: Value, y: Value, op: str, n: int, sizes: dict[int, int] | None =
     return Pred(n, _atom(_affine_add(ax, ay, -1), op, sizes or {}))
 
 
+def _decide(op: str, x, y=0) -> bool | None:
+    """x OP y when it is known (for symbolic x: provable without a guard), else None."""
+    if not isinstance(x, torch.SymInt) and not isinstance(y, torch.SymInt):
+        return _PY_CMP[op](x, y)
+    if statically_known_true(_PY_CMP[op](x, y)):
+        return True
+    if statically_known_true(_PY_CMP[_NEGATE[op]](x, y)):
+        return False
+    return None
+
+
 def _atom(a: Affine, op: str, sizes: dict[int, int]) -> tuple:
     """("cmp", a, op), or ("true",)/("false",) when the index ranges decide it: every index is
     >= 0, and below its axis size where that size is a known int (static shapes)."""
     if not a.coeffs:
-        return ("true",) if _PY_CMP[op](a.const, 0) else ("false",)
+        known = _decide(op, a.const)
+        return ("cmp", a, op) if known is None else ("true",) if known else ("false",)
     if all(isinstance(sizes.get(ax), int) for ax, _ in a.coeffs):
         lo = a.const + sum(min(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
         hi = a.const + sum(max(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
         if op in ("<=", "<", ">=", ">"):
-            if _PY_CMP[op](hi, 0) and _PY_CMP[op](lo, 0):
+            at_hi, at_lo = _decide(op, hi), _decide(op, lo)
+            if at_hi is True and at_lo is True:
                 return ("true",)
-            if not _PY_CMP[op](hi, 0) and not _PY_CMP[op](lo, 0):
+            if at_hi is False and at_lo is False:
                 return ("false",)
     if len(a.coeffs) == 1:
         k = a.coeffs[0][1]
         # k * i + c over i >= 0 is smallest (k > 0) or largest (k < 0) at i = 0
         if (k > 0 and op in (">=", ">")) or (k < 0 and op in ("<=", "<")):
-            if _PY_CMP[op](a.const, 0):
+            if _decide(op, a.const) is True:
                 return ("true",)
     return ("cmp", a, op)
 
@@ -238,8 +256,12 @@ class MaskInterpreter:
     def value(self, n) -> Value | None:
         if is_scalar(n) or isinstance(n, bool):
             return Const(0, float(n))
+        if isinstance(n, torch.SymInt):
+            return _symbolic(n)
         if not isinstance(n, Node):
             return None
+        if isinstance(n.meta.get("val"), torch.SymInt):  # a size computed in the graph
+            return _symbolic(n.meta["val"])
         if n not in self.memo:
             self.memo[n] = None  # cycles are impossible in a DAG; this also guards recursion
             try:
@@ -408,6 +430,11 @@ class MaskInterpreter:
         if ax is None or ay is None:
             return None
         return _set_ndim(_affine_add(ax, ay, sign), rank)
+
+
+def _symbolic(v: torch.SymInt) -> Affine:
+    expr = v.node.expr
+    return Affine(0, (), int(expr) if expr.is_number else v)
 
 
 def _shift_expr(e, axis, start, step):

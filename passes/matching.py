@@ -10,6 +10,7 @@ be symbolic, so comparisons go through `same()`.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -68,6 +69,15 @@ def same(a, b) -> bool:
         return False
 
 
+def maybe_same(a, b) -> bool:
+    """a == b is possible: equal, or symbolic sizes not provably different. Only for sizes
+    the op that consumes them checks again at run time (its launcher raises otherwise)."""
+    try:
+        return not bool(statically_known_true(a != b))
+    except Exception:
+        return True
+
+
 def same_shape(a: Iterable, b: Iterable) -> bool:
     a, b = tuple(a), tuple(b)
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
@@ -106,6 +116,23 @@ def strip(n: Any, ops=CONVERT_OPS) -> Any:
 
 def is_noop_expand(n: Node) -> bool:
     return is_op(n, aten.expand) and shape(n) is not None and same_shape(shape(n), shape(n.args[0]) or ())
+
+
+def is_noop_slice(n: Node) -> bool:
+    """x[:, 0:end] that keeps everything: graphs with symbolic sizes keep these (a static
+    graph drops them), e.g. the `[:, :, None]` of repeat_kv."""
+    if not is_op(n, aten.slice) or shape(n) is None:
+        return False
+    start = arg(n, 2, "start", 0)
+    step = arg(n, 4, "step", 1)
+    return start in (0, None) and step == 1 and same_shape(shape(n), shape(n.args[0]) or ())
+
+
+def skip_noop_views(n: Any) -> Any:
+    """Follow clones, no-op slices and no-op expands back to their source."""
+    while isinstance(n, Node) and (is_op(n, aten.clone) or is_noop_slice(n) or is_noop_expand(n)):
+        n = n.args[0]
+    return n
 
 
 def binary_operands(n: Node) -> tuple[Any, Any]:
@@ -174,14 +201,126 @@ def fake_call(target, args: tuple, kwargs: dict | None = None):
 
 def insert_call(graph: torch.fx.Graph, before: Node, target, args: tuple, kwargs: dict | None = None,
                 meta_from: Node | None = None) -> Node:
-    """Insert `target(*args, **kwargs)` before `before`, with meta["val"] and provenance set."""
+    """Insert `target(*args, **kwargs)` before `before`, with meta["val"] and provenance set.
+    Symbolic sizes among the arguments (SymInts from fake tensors' shapes) become nodes of
+    the graph that compute them, so the graph stays valid for every size."""
+    fake_args, fake_kwargs = args, kwargs or {}
+    args = _bind_symbols(graph, before, args)
+    kwargs = _bind_symbols(graph, before, kwargs or {})
     with graph.inserting_before(before):
-        node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = fake_call(target, args, kwargs)
+        node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = fake_call(target, fake_args, fake_kwargs)
     src = meta_from if meta_from is not None else before
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
         if key in src.meta:
             node.meta[key] = src.meta[key]
+    return node
+
+
+def _bind_symbols(graph: torch.fx.Graph, before: Node, a: Any) -> Any:
+    if isinstance(a, torch.SymInt):
+        return sym_size_node(graph, before, a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_bind_symbols(graph, before, x) for x in a)
+    if isinstance(a, dict):
+        return {k: _bind_symbols(graph, before, v) for k, v in a.items()}
+    return a
+
+
+def sym_size_node(graph: torch.fx.Graph, before: Node, size: "int | torch.SymInt",
+                  exclude: "set[Node] | None" = None) -> "int | Node":
+    """An FX argument equal to `size` at run time, usable before `before`: the int itself, an
+    existing node (or tensor dimension, read with `sym_size`) holding that value, or integer
+    sums and products of such nodes. Raises ValueError if a symbol in it is nowhere above
+    `before` (it cannot be, in a graph whose inputs define every symbol)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    expr = size.node.expr
+    if expr.is_number:
+        return int(expr)
+    found = _find_size(graph, before, expr, exclude or set())
+    if found is not None:
+        return found
+    if not (expr.is_Add or expr.is_Mul):
+        raise ValueError(f"no value before {before.name} holds the symbolic size {expr}")
+    # rebuild from the terms: s0 + 2*s1 -> add(s0, mul(2, s1))
+    combine = operator.add if expr.is_Add else operator.mul
+    shape_env = size.node.shape_env
+    acc_node, acc_val = None, None
+    for term in expr.args:
+        if term.is_number:
+            t_node = t_val = int(term)
+        else:
+            t_val = shape_env.create_symintnode(term, hint=None)
+            t_node = sym_size_node(graph, before, t_val, exclude)
+        if acc_node is None:
+            acc_node, acc_val = t_node, t_val
+            continue
+        with graph.inserting_before(before):
+            acc_node = graph.call_function(combine, (acc_node, t_node))
+        acc_val = combine(acc_val, t_val)
+        acc_node.meta["val"] = acc_val
+    return acc_node
+
+
+SIZE_READS = (aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset)
+
+
+def is_size_read(n: Node) -> bool:
+    """A node that reads only the size of its input (graphs with symbolic shapes have them)."""
+    return is_op(n, *SIZE_READS)
+
+
+def rehome_size_reads(graph: torch.fx.Graph, region: set[Node]) -> None:
+    """Make size reads of `region`'s nodes read the same size elsewhere, so the region can
+    go (a size read alone would keep, say, an attention score matrix alive). Check first
+    with `size_reads_rehomable`."""
+    for n in region:
+        for u in [u for u in n.users if is_size_read(u)]:
+            u.replace_all_uses_with(sym_size_node(graph, u, u.meta["val"], exclude=region))
+
+
+def size_reads_rehomable(region: set[Node]) -> bool:
+    return all(sym_size_available(u.graph, u, u.meta.get("val"), exclude=region)
+               for n in region for u in n.users if is_size_read(u))
+
+
+def sym_size_available(graph: torch.fx.Graph, before: Node, size: "int | torch.SymInt",
+                       exclude: "set[Node] | None" = None) -> bool:
+    """Whether `sym_size_node` can express `size` before `before` (without changing the graph)."""
+    if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+        return True
+    known = set()
+    for n in graph.nodes:
+        if n is before:
+            break
+        if exclude and n in exclude:
+            continue
+        v = n.meta.get("val")
+        sizes = [v] if isinstance(v, torch.SymInt) else list(v.shape) if isinstance(v, torch.Tensor) else []
+        known.update(x.node.expr for x in sizes if isinstance(x, torch.SymInt))
+    expr = size.node.expr
+    return expr in known or all(sym in known for sym in expr.free_symbols)
+
+
+def _find_size(graph: torch.fx.Graph, before: Node, expr, exclude: set[Node]) -> Node | None:
+    dims = []
+    for n in graph.nodes:
+        if n is before:
+            break
+        if n in exclude or (is_size_read(n) and n.args[0] in exclude):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr == expr:
+            return n
+        if isinstance(v, torch.Tensor) and not dims:
+            dims = [(n, d, s) for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and s.node.expr == expr]
+    if not dims:
+        return None
+    src, d, s = dims[0]
+    with graph.inserting_before(before):
+        node = graph.call_function(aten.sym_size.int, (src, d))
+    node.meta["val"] = s
     return node
 
 

@@ -1,0 +1,131 @@
+"""Where compiled artifacts live, so a second optimize() in a fresh process reuses the first's.
+
+One directory holds everything metainfer's compilations write:
+
+    <root>/inductor/   Inductor's FX graph and AOTAutograd caches, compiled C++/Triton code
+                       (Inductor's TORCHINDUCTOR_CACHE_DIR while metainfer compiles)
+    <root>/records/    what the passes did to each graph (JSON), for graphs Inductor serves
+                       from its cache without running the passes
+
+<root> is, in order: the `cache_dir=` given to optimize(), $METAINFER_CACHE_DIR, or
+~/.cache/metainfer. Inductor's cache stays valid because the PassManager's uuid() is stable
+and changes with any pass's source, the pipeline, the options or the target. Records are keyed
+by that uuid, the Dynamo graph's code, its input shapes, and the torch/triton/metainfer versions.
+`clear()` (or `metainfer cache clear`) removes both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from metainfer.passes.manager import PassRecord
+
+FORMAT = "2"
+
+
+def cache_dir(explicit: "str | os.PathLike | None" = None) -> Path:
+    """The cache root: `explicit`, else $METAINFER_CACHE_DIR, else ~/.cache/metainfer."""
+    if explicit is not None:
+        return Path(explicit).expanduser().resolve()
+    d = os.environ.get("METAINFER_CACHE_DIR")
+    return (Path(d).expanduser() if d else Path.home() / ".cache" / "metainfer").resolve()
+
+
+@contextlib.contextmanager
+def inductor_writes_to(root: Path):
+    """Point Inductor (and Triton, through it) at <root>/inductor for the duration."""
+    from torch._inductor.utils import clear_caches
+
+    d = str(root / "inductor")
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if old == d:
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+    clear_caches()  # Inductor memoises paths under its cache dir
+    try:
+        yield
+    finally:
+        clear_caches()
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _versions() -> tuple[str, ...]:
+    import triton
+
+    from metainfer import __version__
+
+    return torch.__version__, triton.__version__, __version__
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
+    return f"{type(x).__name__}({x!r})"
+
+
+def key(pipeline_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str:
+    h = hashlib.sha256()
+    for part in (FORMAT, *_versions(), pipeline_uuid, gm.code, *map(_describe, example_inputs)):
+        h.update(str(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _path(root: Path, k: str) -> Path:
+    return root / "records" / f"{k}.json"
+
+
+def load(root: Path, k: str) -> list[PassRecord] | None:
+    try:
+        data = json.loads(_path(root, k).read_text())
+        return [PassRecord.from_dict(d) for d in data]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def store(root: Path, k: str, records: list[PassRecord]) -> None:
+    p = _path(root, k)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([r.to_dict(with_graphs=True) for r in records]))
+        tmp.replace(p)
+    except OSError:
+        pass  # a read-only cache only costs a recompile on the next cache hit
+
+
+def info(root: "str | os.PathLike | None" = None) -> dict:
+    """What the cache holds: its root, and files and bytes per part."""
+    r = cache_dir(root)
+    out = {"root": str(r)}
+    for part in ("records", "inductor"):
+        files = [f for f in (r / part).rglob("*") if f.is_file()] if (r / part).is_dir() else []
+        out[part] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return out
+
+
+def clear(root: "str | os.PathLike | None" = None) -> int:
+    """Remove everything metainfer cached under the root; returns how many files went."""
+    r = cache_dir(root)
+    n = 0
+    for part in ("records", "inductor"):
+        d = r / part
+        if d.is_dir():
+            n += sum(1 for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+    # compiled graphs Inductor holds in memory for this process refer to files just removed
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    return n

@@ -158,15 +158,15 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
     else:
         root = compile_cache.cache_dir(cache_dir)
         key = compile_cache.key(manager.uuid(), gm, example_inputs)
-        with compile_cache.inductor_writes_to(root):
-            compiled = _inductor(gm, example_inputs, manager, caches=True)
-            if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
-                cached = compile_cache.load(root, key)
-                if cached is not None:
-                    if section is not None:
-                        section.records, section.from_cache = cached, True
-                    return compiled
-                compiled = _inductor(gm, example_inputs, manager, caches=False)
+        compile_cache.point_inductor_at(root)
+        compiled = _inductor(gm, example_inputs, manager, caches=True)
+        if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
+            cached = compile_cache.load(root, key)
+            if cached is not None:
+                if section is not None:
+                    section.records, section.from_cache = cached, True
+                return compiled
+            compiled = _inductor(gm, example_inputs, manager, caches=False)
         compile_cache.store(root, key, manager.records)
     if section is not None:
         section.records = manager.records

@@ -3,7 +3,8 @@
 One directory holds everything metainfer's compilations write:
 
     <root>/inductor/   Inductor's FX graph and AOTAutograd caches, compiled C++/Triton code
-                       (Inductor's TORCHINDUCTOR_CACHE_DIR while metainfer compiles)
+                       (metainfer sets TORCHINDUCTOR_CACHE_DIR to it when it compiles, and
+                       leaves it there: other torch.compile calls in the process share it)
     <root>/records/    what the passes did to each graph (JSON), for graphs Inductor serves
                        from its cache without running the passes
 
@@ -16,7 +17,6 @@ by that uuid, the Dynamo graph's code, its input shapes, and the torch/triton/me
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -38,26 +38,16 @@ def cache_dir(explicit: "str | os.PathLike | None" = None) -> Path:
     return (Path(d).expanduser() if d else Path.home() / ".cache" / "metainfer").resolve()
 
 
-@contextlib.contextmanager
-def inductor_writes_to(root: Path):
-    """Point Inductor (and Triton, through it) at <root>/inductor for the duration."""
+def point_inductor_at(root: Path) -> None:
+    """Make <root>/inductor Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR) from now on
+    in this process. Switching clears Inductor's memoised paths, so it is done only when the
+    directory changes, and left in place for the next compile."""
     from torch._inductor.utils import clear_caches
 
     d = str(root / "inductor")
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if old == d:
-        yield
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
-    clear_caches()  # Inductor memoises paths under its cache dir
-    try:
-        yield
-    finally:
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != d:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
         clear_caches()
-        if old is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def _versions() -> tuple[str, ...]:

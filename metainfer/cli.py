@@ -53,7 +53,7 @@ def cmd_optimize(a) -> int:
           f"{str(dtype).replace('torch.', '')}) for target {a.target}, input {a.batch}x{a.seq} tokens")
     t0 = time.perf_counter()
     opt = metainfer.optimize(model, a.target, example_inputs=(ids,), passes=a.passes, disable=a.disable or (),
-                             verify=a.verify, dump_dir=a.dump, lowering=a.lowering)
+                             verify=a.verify, dump_dir=a.dump, lowering=a.lowering, cache_dir=a.cache_dir)
     print(f"compiled in {time.perf_counter() - t0:.1f} s\n")
     print(opt.report)
     if a.dump:
@@ -73,6 +73,20 @@ def cmd_targets(a) -> int:
               f"p2p {'yes' if t.topology.p2p else 'no':3s}  {t.description}")
     if a.json:
         print(json.dumps({n: targets.get(n).to_dict() for n in targets.names()}, indent=2, default=str))
+    return 0
+
+
+def cmd_cache(a) -> int:
+    from metainfer import cache
+
+    if a.action == "clear":
+        n = cache.clear(a.dir)
+        print(f"removed {n} file(s) from {cache.directory(a.dir)}")
+        return 0
+    i = cache.info(a.dir)
+    print(f"{i['root']}")
+    for part in ("records", "inductor"):
+        print(f"  {part:9s} {i[part]['files']:6d} files  {i[part]['bytes'] / 2**20:8.1f} MiB")
     return 0
 
 
@@ -101,7 +115,13 @@ def main(argv=None) -> int:
     o.add_argument("--disable", nargs="+", help="pass names to skip")
     o.add_argument("--lowering", choices=("inductor", "aot_eager"))
     o.add_argument("--verify", action="store_true", help="check outputs against eager; name the first bad pass")
+    o.add_argument("--cache-dir", help="compile cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
     o.set_defaults(fn=cmd_optimize)
+
+    c = sub.add_parser("cache", help="show or clear the compile cache")
+    c.add_argument("action", choices=("info", "clear"))
+    c.add_argument("--dir", help="cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
+    c.set_defaults(fn=cmd_cache)
 
     t = sub.add_parser("targets", help="list the built-in targets")
     t.add_argument("--json", action="store_true")

@@ -7,7 +7,6 @@ import functools
 import itertools
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,7 +111,7 @@ def _token_input(args, kwargs) -> torch.Tensor | None:
 
 
 def _past_length(kwargs) -> int:
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 calls it `cache`
     if cache is not None and hasattr(cache, "get_seq_length"):
         return int(cache.get_seq_length())
     start = kwargs.get("start_pos")

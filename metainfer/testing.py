@@ -110,3 +110,20 @@ def count_calls(gm: torch.fx.GraphModule, op) -> int:
     """How many call_function nodes target `op` (an OpOverload or its packet)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function"
                and (n.target is op or getattr(n.target, "overloadpacket", None) is op))
+
+
+def tiny_hf_model(arch: str = "Llama", attn: str = "eager", layers: int = 2, seed: int = 0, **config):
+    """A Hugging Face causal LM of family `arch` ("Llama", "Qwen2", "Mistral", ...) from a tiny
+    config with random weights (nothing downloaded), in eval mode: vocabulary 128, hidden 64,
+    4 heads / 2 kv heads; `config` overrides any field."""
+    import transformers
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, f"{arch}Config")(**{**fields, **config})
+    cfg._attn_implementation = attn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+

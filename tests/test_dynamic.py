@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import metainfer
 from metainfer import models
-from metainfer.testing import capture_graph, graph_inputs, run_pass
+from metainfer.testing import capture_graph, graph_inputs, run_pass, tiny_hf_model
 from metainfer.verify import mismatch
 
 ALL = ["fuse_attention", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu"]
@@ -158,12 +158,12 @@ def test_empty_batch_is_refused():
 
 
 def test_hugging_face_past_max_positions_is_refused():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    pytest.importorskip("transformers")
+    model = tiny_hf_model("Llama", layers=1, max_position_embeddings=32)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
     opt(torch.randint(3, 128, (1, 32)))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         opt(torch.randint(3, 128, (1, 33)))
+    # the cache counts: a decode step past the last position is refused too
+    with pytest.raises(ValueError, match="reaches position 33"):
+        opt.generate(torch.randint(3, 128, (1, 30)), max_new_tokens=5, min_new_tokens=5, do_sample=False)

@@ -7,6 +7,7 @@ import torch
 
 import metainfer
 from metainfer import models
+from metainfer.testing import tiny_hf_model
 
 PROMPTS = [(1, 5, 9), (2, 9, 12), (3, 4, 6)]  # (batch, prompt length, new tokens)
 
@@ -62,15 +63,8 @@ def test_models_llama_generate_through_inductor():
 
 
 def _hf(arch, impl, layers=2):
-    transformers = pytest.importorskip("transformers")
-    cls = getattr(transformers, f"{arch}Config")
-    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg._attn_implementation = impl
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    pytest.importorskip("transformers")
+    return tiny_hf_model(arch, impl, layers)
 
 
 def _left_padded(b, s, pad, g):
@@ -121,3 +115,16 @@ def test_generate_leaves_the_model_as_it_was():
     assert "forward" not in model.__dict__, "the compiled forward is only installed during a call"
     with pytest.raises(AttributeError, match="no generate"):
         metainfer.optimize(torch.nn.Linear(2, 2).eval(), "cpu").generate(torch.zeros(1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hugging_face_generate_through_inductor(cache):
+    model = _hf("Llama", "eager")
+    opt = metainfer.optimize(model, "cpu")
+    ids, mask = _left_padded(2, 7, 2, torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, attention_mask=mask)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    assert torch.equal(model.generate(ids, **kw), opt.generate(ids, **kw))
+    assert _phases(opt.report) == {"prefill", "decode"}

@@ -6,6 +6,7 @@ import torch
 
 import metainfer
 from metainfer import kernels, models
+from metainfer.testing import tiny_hf_model
 from metainfer.verify import mismatch
 
 ALL = ["fuse_attention", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu"]
@@ -52,15 +53,8 @@ def test_models_llama_through_the_triton_kernels(interpret):
 
 
 def _hf(arch, impl, layers=2):
-    transformers = pytest.importorskip("transformers")
-    cls = getattr(transformers, f"{arch}Config")
-    cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg._attn_implementation = impl
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    pytest.importorskip("transformers")
+    return tiny_hf_model(arch, impl, layers)
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

@@ -38,42 +38,75 @@ def _describe_input(x: Any) -> str:
     return repr(x)
 
 
-def _graph_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
-    """dtype[shape] of each graph input as the graph sees it: symbolic sizes stay symbols."""
+def _graph_input_values(gm: torch.fx.GraphModule, example_inputs: list) -> list:
+    """Each graph input as the graph sees it (fake tensors with symbolic sizes), else the
+    example inputs Dynamo passed (real tensors of the first call)."""
     vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     if len(vals) != len(example_inputs) or any(v is None for v in vals):
-        vals = example_inputs
-    return [_describe_input(v) for v in vals]
+        return list(example_inputs)
+    return vals
+
+
+def _graph_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
+    """dtype[shape] of each graph input as the graph sees it: symbolic sizes stay symbols."""
+    return [_describe_input(v) for v in _graph_input_values(gm, example_inputs)]
+
+
+def graph_input_specs(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
+    """What identifies a graph's inputs for the record cache: dtype, shape and strides with
+    symbols where the graph has them (so a symbolic graph keys the same for any first call)."""
+    out = []
+    for v in _graph_input_values(gm, example_inputs):
+        if isinstance(v, torch.Tensor):
+            out.append(f"T({v.dtype},{tuple(map(str, v.shape))},{tuple(map(str, v.stride()))},{v.device.type})")
+        else:
+            out.append(f"{type(v).__name__}({v})")
+    return out
 
 
 def _guard_failure_counts() -> dict:
-    from torch._dynamo.utils import guard_failures
+    try:
+        from torch._dynamo.utils import guard_failures
 
-    return {code: len(reasons) for code, reasons in guard_failures.items()}
+        return {code: len(reasons) for code, reasons in guard_failures.items()}
+    except Exception:  # a private table of Dynamo's; without it the report gives no reasons
+        return {}
 
 
 def _new_guard_failures(seen: dict, ours: set[str]) -> list[str]:
     """Guard failures Dynamo recorded since `seen` on graphs this backend compiled (`ours`:
     their compile ids, "frame/n"): why the graph now compiling was needed. Failures of other
-    backends' graphs of the same code (another optimize() of the same model class) are not."""
-    from torch._dynamo.utils import guard_failures
+    backends' graphs of the same code (another optimize() of the same model class), and our
+    graphs' mismatches with another backend (BACKEND_MATCH), are not."""
+    try:
+        from torch._dynamo.utils import guard_failures
 
+        items = list(guard_failures.items())
+    except Exception:
+        return []
     out = []
-    for code, reasons in guard_failures.items():
-        for r in reasons[seen.get(code, 0):]:
-            cid, _, text = r.partition(": ")
-            if cid not in ours:
+    for code, reasons in items:
+        start = seen.get(code, 0)
+        if start > len(reasons):  # the table was cleared (torch._dynamo.reset())
+            start = 0
+        for r in reasons[start:]:
+            cid, _, text = str(r).partition(": ")
+            lines = text.strip().splitlines()
+            if cid not in ours or not lines or lines[0].startswith("BACKEND_MATCH"):
                 continue
-            text = text.strip().splitlines()[0]
-            if text not in out:
-                out.append(text)
+            if lines[0] not in out:
+                out.append(lines[0])
     return out
 
 
-def _current_compile_id() -> str:
-    from torch._guards import CompileContext
+def _current_compile_id() -> str | None:
+    try:
+        from torch._guards import CompileContext
 
-    return str(CompileContext.current_compile_id())
+        cid = CompileContext.current_compile_id()
+    except Exception:
+        return None
+    return None if cid is None else str(cid)
 
 
 def _break_text(reason: str) -> str:
@@ -110,6 +143,11 @@ class MetainferBackend:
         self.phase = "forward"  # what the caller is running: "forward", "prefill" or "decode"
         kernel_configs.activate(target)
 
+    def call_starts(self) -> None:
+        """A caller is about to run the compiled code: guard failures from here on are
+        this caller's (not those of other code that ran the same model in between)."""
+        self._guards_seen = _guard_failure_counts()
+
     def _new_breaks(self) -> list[str]:
         now = dict(counters["graph_break"])
         new = [r for r, c in now.items() if c > self._breaks_seen.get(r, 0)]
@@ -119,7 +157,9 @@ class MetainferBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         recompiled_because = _new_guard_failures(self._guards_seen, self._compile_ids)
         self._guards_seen = _guard_failure_counts()
-        self._compile_ids.add(_current_compile_id())
+        cid = _current_compile_id()
+        if cid is not None:
+            self._compile_ids.add(cid)
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
                                inputs=_graph_inputs(gm, example_inputs), lowering=self.lowering,
                                phase=self.phase, recompile_reasons=recompiled_because[:4])
@@ -157,7 +197,7 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
         compiled = _aot_eager(gm, example_inputs, manager)
     else:
         root = compile_cache.cache_dir(cache_dir)
-        key = compile_cache.key(manager.uuid(), gm, example_inputs)
+        key = compile_cache.key(manager.uuid(), gm, graph_input_specs(gm, example_inputs))
         compile_cache.point_inductor_at(root)
         compiled = _inductor(gm, example_inputs, manager, caches=True)
         if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run

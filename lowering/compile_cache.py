@@ -27,7 +27,7 @@ import torch
 
 from metainfer.passes.manager import PassRecord
 
-FORMAT = "2"
+FORMAT = "3"
 
 
 def cache_dir(explicit: "str | os.PathLike | None" = None) -> Path:
@@ -58,15 +58,11 @@ def _versions() -> tuple[str, ...]:
     return torch.__version__, triton.__version__, __version__
 
 
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"T({x.dtype},{tuple(x.shape)},{tuple(x.stride())},{x.device.type})"
-    return f"{type(x).__name__}({x!r})"
-
-
-def key(pipeline_uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str:
+def key(pipeline_uuid: str, gm: torch.fx.GraphModule, input_specs: list[str]) -> str:
+    """The record key: versions, pipeline uuid, the Dynamo graph's code and its inputs'
+    dtype/shape/strides (symbols where the graph has them)."""
     h = hashlib.sha256()
-    for part in (FORMAT, *_versions(), pipeline_uuid, gm.code, *map(_describe, example_inputs)):
+    for part in (FORMAT, *_versions(), pipeline_uuid, gm.code, *input_specs):
         h.update(str(part).encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -105,17 +101,22 @@ def info(root: "str | os.PathLike | None" = None) -> dict:
     return out
 
 
-def clear(root: "str | os.PathLike | None" = None) -> int:
-    """Remove everything metainfer cached under the root; returns how many files went."""
+def clear(root: "str | os.PathLike | None" = None, parts=("records", "inductor")) -> int:
+    """Remove what metainfer cached under the root (both parts by default); returns how many
+    files went."""
+    unknown = set(parts) - {"records", "inductor"}
+    if unknown:
+        raise ValueError(f"unknown cache parts {sorted(unknown)}; known: records, inductor")
     r = cache_dir(root)
     n = 0
-    for part in ("records", "inductor"):
+    for part in parts:
         d = r / part
         if d.is_dir():
             n += sum(1 for f in d.rglob("*") if f.is_file())
             shutil.rmtree(d, ignore_errors=True)
-    # compiled graphs Inductor holds in memory for this process refer to files just removed
-    from torch._inductor.utils import clear_caches
+    if "inductor" in parts:
+        # Inductor's memoised paths point at files just removed
+        from torch._inductor.utils import clear_caches
 
-    clear_caches()
+        clear_caches()
     return n

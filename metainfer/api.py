@@ -6,6 +6,8 @@ import contextlib
 import functools
 import itertools
 import os
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,6 +70,7 @@ class OptimizedModel:
         def forward(*args, **kwargs):
             _check_shapes(self.model, args, kwargs)
             self._backend.phase = phase()
+            self._backend.call_starts()
             # model constants (eps, attention scales) stay Python numbers in the graph rather
             # than graph inputs, which Dynamo makes them once it compiles dynamic shapes
             with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
@@ -75,16 +78,18 @@ class OptimizedModel:
             self._dump_new_sections()
             return out
 
-        d = self.model.__dict__
-        previous = d.get("forward", _MISSING)
-        d["forward"] = forward
-        try:
-            yield
-        finally:
-            if previous is _MISSING:
-                d.pop("forward", None)
-            else:
-                d["forward"] = previous
+        # one call at a time per model: the installed forward is visible to every caller
+        with _model_lock(self.model):
+            d = self.model.__dict__
+            previous = d.get("forward", _MISSING)
+            d["forward"] = forward
+            try:
+                yield
+            finally:
+                if previous is _MISSING:
+                    d.pop("forward", None)
+                else:
+                    d["forward"] = previous
 
     def _dump_new_sections(self) -> None:
         if self._dump_dir and len(self.report.sections) != self._dumped_sections:
@@ -101,6 +106,16 @@ class OptimizedModel:
 
 
 _MISSING = object()
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(model: torch.nn.Module) -> threading.RLock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 def _token_input(args, kwargs) -> torch.Tensor | None:
@@ -110,12 +125,20 @@ def _token_input(args, kwargs) -> torch.Tensor | None:
     return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
 
-def _past_length(kwargs) -> int:
+def _past_length(kwargs, limit: int) -> int:
+    """Tokens already in the cache, where they could matter: a cache whose capacity is within
+    `limit` cannot hold a position past it (and asking a static cache its length costs a
+    device sync per step)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 calls it `cache`
-    if cache is not None and hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length())
-    start = kwargs.get("start_pos")
-    return start if isinstance(start, int) else 0
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    try:
+        capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1  # -1: grows
+    except Exception:
+        capacity = -1
+    if isinstance(capacity, int) and 0 <= capacity <= limit:
+        return 0
+    return int(cache.get_seq_length())
 
 
 def _check_shapes(model, args, kwargs) -> None:
@@ -127,7 +150,7 @@ def _check_shapes(model, args, kwargs) -> None:
         raise ValueError(f"empty input: tokens of shape {tuple(ids.shape)} (a batch or sequence of 0)")
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and ids.dim() >= 1:
-        end = _past_length(kwargs) + ids.shape[-1]
+        end = _past_length(kwargs, limit) + ids.shape[-1]
         if end > limit:
             raise ValueError(f"input reaches position {end}, past the model's max_position_embeddings ({limit}); "
                              "its position embeddings are not defined there")

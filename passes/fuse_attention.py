@@ -34,7 +34,7 @@ from .base import Pass, PassContext, PassResult, register
 from .matching import (
     CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_expand, is_noop_slice,
     is_op, is_scalar, is_size_read, rehome_size_reads, size_reads_rehomable, skip_noop_views,
-    location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, strip, sym_size_available,
+    location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, strip, sizes_available, sym_size_available,
 )
 
 _SDPA_OPS = {
@@ -158,6 +158,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
     _strip_gqa(m)
     _check_fits(m)
+    _check_sizes_bindable(m)
     # outputs: reshape(pv) to 4-D users get the 4-D result; anything else a 3-D view
     out_shape = _out_shape(m)
     for u in list(pv.users):
@@ -319,16 +320,19 @@ def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -
 
 def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
                    interp: ma.MaskInterpreter, score_dtype) -> None:
-    offsets, tensors = [], []
-    for mk in masks:
-        off = ma.causal_offset(mk, interp, kind="additive", score_dtype=score_dtype)
-        (offsets.append(off) if _usable_offset(off, m.anchor) else tensors.append((mk, "additive")))
-    for cond, keep_when_true in keeps:
-        off = ma.causal_offset(cond, interp, kind="keep" if keep_when_true else "drop", score_dtype=score_dtype)
-        if _usable_offset(off, m.anchor):
+    offsets, tensors, dropped = [], [], 0
+    parts = [(mk, "additive") for mk in masks] + [(c, "keep" if k else "drop") for c, k in keeps]
+    for node, kind in parts:
+        if ma.keeps_everything(node, interp, kind=kind, score_dtype=score_dtype):
+            dropped += 1
+            continue
+        off = ma.causal_offset(node, interp, kind=kind, score_dtype=score_dtype)
+        if _usable_offset(off, m):
             offsets.append(off)
         else:
-            tensors.append((cond, "keep" if keep_when_true else "drop"))
+            tensors.append((node, kind))
+    if dropped:
+        m.notes.append("a mask that keeps every key (proven) dropped")
     if any(not same(o, offsets[0]) for o in offsets[1:]):
         raise NearMiss(f"several causal masks with different offsets {[str(o) for o in offsets]}")
     if offsets:
@@ -346,13 +350,25 @@ def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
         m.notes.append("no mask")
 
 
-def _usable_offset(off, anchor: Node) -> bool:
+def _usable_offset(off, m: Match) -> bool:
     """A causal offset the op can take instead of the mask: provably >= 0, so every query row
     keeps key 0 (with a finfo.min fill an empty row would not be NaN), and, if symbolic,
-    computable from sizes the graph already has."""
+    computable from sizes the graph has outside what the op replaces."""
     if off is None or not (same(off, 0) or statically_known_true(off >= 0)):
         return False
-    return sym_size_available(anchor.graph, anchor, off)
+    return sym_size_available(m.anchor.graph, m.anchor, off, m.region)
+
+
+def _check_sizes_bindable(m: Match) -> None:
+    """Every symbolic size the rewrite will put in the graph can be read outside the region
+    it removes (checked before the graph is touched)."""
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    needed = [m.causal_offset, [B * Hq, Sq, Dv]]
+    for op in (m.q, m.k, m.v):
+        if op.expand_batch is not None:
+            needed.append(op.expand_batch)
+    if not sizes_available(m.anchor.graph, m.anchor, needed, m.region):
+        raise NearMiss("a symbolic size the fused op needs is not available outside the attention")
 
 
 def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
@@ -482,6 +498,7 @@ def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
         m.notes.append("no mask")
     _strip_gqa(m)
     _check_fits(m)
+    _check_sizes_bindable(m)
     return m
 
 
@@ -495,7 +512,7 @@ def _materialise(graph, m: Match, op: Operand) -> Node:
         n = insert_call(graph, m.anchor, aten.permute.default, (n, [0, 1, 3, 2]))
     if op.expand_batch is not None:
         s = shape(n)
-        n = insert_call(graph, m.anchor, aten.expand.default, (n, [op.expand_batch, *s[1:]]))
+        n = insert_call(graph, m.anchor, aten.expand.default, (n, [op.expand_batch, *s[1:]]), exclude=m.region)
     return n
 
 
@@ -506,12 +523,13 @@ def _rewrite(graph, m: Match) -> None:
     if mask is not None and m.mask_negate:
         mask = insert_call(graph, m.anchor, aten.logical_not.default, (mask,))
     out = insert_call(graph, m.anchor, torch.ops.metainfer.attention.default,
-                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset, m.zero_empty_rows))
+                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset, m.zero_empty_rows),
+                      exclude=m.region)
     for r in m.replace:
         r.replace_all_uses_with(out)
     for r in m.replace_3d:
         B, Hq, Sq, Dv = shape(out)
-        flat = insert_call(graph, m.anchor, aten.reshape.default, (out, [B * Hq, Sq, Dv]))
+        flat = insert_call(graph, m.anchor, aten.reshape.default, (out, [B * Hq, Sq, Dv]), exclude=m.region)
         r.replace_all_uses_with(flat)
 
 

@@ -195,9 +195,11 @@ def _atom(a: Affine, op: str, sizes: dict[int, int]) -> tuple:
     if not a.coeffs:
         known = _decide(op, a.const)
         return ("cmp", a, op) if known is None else ("true",) if known else ("false",)
-    if all(isinstance(sizes.get(ax), int) for ax, _ in a.coeffs):
-        lo = a.const + sum(min(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
-        hi = a.const + sum(max(0, k * (sizes[ax] - 1)) for ax, k in a.coeffs)
+    if all(isinstance(sizes.get(ax), (int, torch.SymInt)) for ax, _ in a.coeffs):
+        # index a runs over 0..size-1: k * index spans [k * (size - 1), 0] or [0, k * (size - 1)]
+        # (sign by k, so no comparison of symbolic sizes is needed)
+        lo = a.const + sum(k * (sizes[ax] - 1) for ax, k in a.coeffs if k < 0)
+        hi = a.const + sum(k * (sizes[ax] - 1) for ax, k in a.coeffs if k > 0)
         if op in ("<=", "<", ">=", ">"):
             at_hi, at_lo = _decide(op, hi), _decide(op, lo)
             if at_hi is True and at_lo is True:
@@ -358,7 +360,7 @@ class MaskInterpreter:
                 if x is None or y is None:
                     return None
                 out_shape = shape(n)
-                sizes = {i - rank: d for i, d in enumerate(out_shape) if isinstance(d, int)}
+                sizes = {i - rank: d for i, d in enumerate(out_shape) if isinstance(d, (int, torch.SymInt))}
                 return _compare(x, y, sym, rank, sizes)
         for ops, how in (((aten.logical_and, aten.bitwise_and), "and"), ((aten.logical_or, aten.bitwise_or), "or")):
             if is_op(n, *ops):
@@ -505,14 +507,26 @@ def keep_of_additive(v: Value | None, score_dtype: torch.dtype) -> Pred | None:
     return None
 
 
-def causal_offset(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> int | None:
-    """Offset of a causal mask node (`kind` "additive", "keep" (True keeps) or "drop"), else None."""
+def keep_predicate(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> Pred | None:
+    """Which keys a mask node keeps (`kind` "additive", "keep" (True keeps) or "drop"), if known."""
     v = interp.value(node)
     if v is None:
         return None
     if kind == "additive":
-        keep = keep_of_additive(v, score_dtype)
-    else:
-        p = _to_pred(v)
-        keep = p if kind == "keep" or p is None else _not(p)
-    return causal_offset_of_keep(keep)
+        if isinstance(v, Const):
+            return Pred(v.ndim, ("true",)) if v.value == 0.0 else None
+        return keep_of_additive(v, score_dtype)
+    p = _to_pred(v)
+    return p if kind == "keep" or p is None else _not(p)
+
+
+def causal_offset(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> int | None:
+    """Offset of a causal mask node (`kind` "additive", "keep" (True keeps) or "drop"), else None."""
+    return causal_offset_of_keep(keep_predicate(node, interp, kind=kind, score_dtype=score_dtype))
+
+
+def keeps_everything(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> bool:
+    """Whether a mask node provably keeps every key for every query (e.g. one query token
+    over the whole cache): such a mask can be dropped."""
+    keep = keep_predicate(node, interp, kind=kind, score_dtype=score_dtype)
+    return keep is not None and keep.expr == ("true",)

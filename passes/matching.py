@@ -200,13 +200,14 @@ def fake_call(target, args: tuple, kwargs: dict | None = None):
 
 
 def insert_call(graph: torch.fx.Graph, before: Node, target, args: tuple, kwargs: dict | None = None,
-                meta_from: Node | None = None) -> Node:
+                meta_from: Node | None = None, exclude: "set[Node] | None" = None) -> Node:
     """Insert `target(*args, **kwargs)` before `before`, with meta["val"] and provenance set.
     Symbolic sizes among the arguments (SymInts from fake tensors' shapes) become nodes of
-    the graph that compute them, so the graph stays valid for every size."""
+    the graph that compute them, read from nodes outside `exclude` (a region about to go),
+    so the graph stays valid for every size. Check first with `sizes_available`."""
     fake_args, fake_kwargs = args, kwargs or {}
-    args = _bind_symbols(graph, before, args)
-    kwargs = _bind_symbols(graph, before, kwargs or {})
+    args = _bind_symbols(graph, before, args, exclude)
+    kwargs = _bind_symbols(graph, before, kwargs or {}, exclude)
     with graph.inserting_before(before):
         node = graph.call_function(target, args, kwargs)
     node.meta["val"] = fake_call(target, fake_args, fake_kwargs)
@@ -217,50 +218,120 @@ def insert_call(graph: torch.fx.Graph, before: Node, target, args: tuple, kwargs
     return node
 
 
-def _bind_symbols(graph: torch.fx.Graph, before: Node, a: Any) -> Any:
+def _bind_symbols(graph: torch.fx.Graph, before: Node, a: Any, exclude) -> Any:
     if isinstance(a, torch.SymInt):
-        return sym_size_node(graph, before, a)
+        return sym_size_node(graph, before, a, exclude)
     if isinstance(a, (list, tuple)):
-        return type(a)(_bind_symbols(graph, before, x) for x in a)
+        return type(a)(_bind_symbols(graph, before, x, exclude) for x in a)
     if isinstance(a, dict):
-        return {k: _bind_symbols(graph, before, v) for k, v in a.items()}
+        return {k: _bind_symbols(graph, before, v, exclude) for k, v in a.items()}
     return a
 
 
-def sym_size_node(graph: torch.fx.Graph, before: Node, size: "int | torch.SymInt",
-                  exclude: "set[Node] | None" = None) -> "int | Node":
-    """An FX argument equal to `size` at run time, usable before `before`: the int itself, an
-    existing node (or tensor dimension, read with `sym_size`) holding that value, or integer
-    sums and products of such nodes. Raises ValueError if a symbol in it is nowhere above
-    `before` (it cannot be, in a graph whose inputs define every symbol)."""
+def sizes_available(graph: torch.fx.Graph, before: Node, args: Any, exclude: "set[Node] | None" = None) -> bool:
+    """Whether every symbolic size inside `args` (nested lists/tuples/dicts) can be bound."""
+    if isinstance(args, (list, tuple)):
+        return all(sizes_available(graph, before, x, exclude) for x in args)
+    if isinstance(args, dict):
+        return all(sizes_available(graph, before, x, exclude) for x in args.values())
+    return sym_size_available(graph, before, args, exclude)
+
+
+# -- symbolic sizes as graph values ---------------------------------------------------------
+# A size is resolved in two steps: `_size_plan` finds, without touching the graph, how to read
+# it (an existing node, a tensor dimension, or integer sums/products of those); `_realise`
+# adds the nodes. `sym_size_available` and `sym_size_node` share the plan, so a check that
+# passes is a rewrite that cannot fail.
+
+def _size_plan(graph: torch.fx.Graph, before: Node, size, exclude: "set[Node] | None"):
+    if isinstance(size, int):
+        return ("int", size)
     if not isinstance(size, torch.SymInt):
-        return size
+        return None
     expr = size.node.expr
-    if expr.is_number:
-        return int(expr)
+    if expr.is_Integer:
+        return ("int", int(expr))
     found = _find_size(graph, before, expr, exclude or set())
     if found is not None:
         return found
     if not (expr.is_Add or expr.is_Mul):
-        raise ValueError(f"no value before {before.name} holds the symbolic size {expr}")
-    # rebuild from the terms: s0 + 2*s1 -> add(s0, mul(2, s1))
-    combine = operator.add if expr.is_Add else operator.mul
+        return None
     shape_env = size.node.shape_env
-    acc_node, acc_val = None, None
+    terms = []
     for term in expr.args:
-        if term.is_number:
-            t_node = t_val = int(term)
-        else:
-            t_val = shape_env.create_symintnode(term, hint=None)
-            t_node = sym_size_node(graph, before, t_val, exclude)
-        if acc_node is None:
-            acc_node, acc_val = t_node, t_val
+        if term.is_number and not term.is_Integer:
+            return None
+        t = term if term.is_number else shape_env.create_symintnode(term, hint=None)
+        plan = ("int", int(term)) if term.is_number else _size_plan(graph, before, t, exclude)
+        if plan is None:
+            return None
+        terms.append(plan)
+    return ("add" if expr.is_Add else "mul", terms, size)
+
+
+def _find_size(graph: torch.fx.Graph, before: Node, expr, exclude: set[Node]):
+    dim = None
+    for n in graph.nodes:
+        if n is before:
+            break
+        if n in exclude or (is_size_read(n) and n.args[0] in exclude):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr == expr:
+            return ("node", n)
+        if dim is None and isinstance(v, torch.Tensor):
+            d = next((d for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and s.node.expr == expr), None)
+            if d is not None:
+                dim = ("dim", n, d, v.shape[d])
+    return dim
+
+
+def _realise(graph: torch.fx.Graph, before: Node, plan) -> "int | Node":
+    kind = plan[0]
+    if kind == "int":
+        return plan[1]
+    if kind == "node":
+        return plan[1]
+    if kind == "dim":
+        _, src, d, value = plan
+        with graph.inserting_before(before):
+            node = graph.call_function(aten.sym_size.int, (src, d))
+        node.meta["val"] = value
+        return node
+    combine = operator.add if kind == "add" else operator.mul
+    acc = None
+    for term in plan[1]:
+        t = _realise(graph, before, term)
+        if acc is None:
+            acc = t
             continue
         with graph.inserting_before(before):
-            acc_node = graph.call_function(combine, (acc_node, t_node))
-        acc_val = combine(acc_val, t_val)
-        acc_node.meta["val"] = acc_val
-    return acc_node
+            acc = graph.call_function(combine, (acc, t))
+    if isinstance(acc, Node):
+        acc.meta["val"] = plan[2]
+    return acc
+
+
+def sym_size_available(graph: torch.fx.Graph, before: Node, size, exclude: "set[Node] | None" = None) -> bool:
+    """Whether `sym_size_node` can express `size` before `before` (without changing the graph).
+    Anything that is not a symbolic size is trivially available."""
+    if not isinstance(size, torch.SymInt):
+        return True
+    return _size_plan(graph, before, size, exclude) is not None
+
+
+def sym_size_node(graph: torch.fx.Graph, before: Node, size: "int | torch.SymInt",
+                  exclude: "set[Node] | None" = None) -> "int | Node":
+    """An FX argument equal to `size` at run time, usable before `before`, read from nodes
+    outside `exclude`: the int itself, an existing node (or tensor dimension, read with
+    `sym_size`) holding that value, or integer sums and products of such. Raises ValueError
+    where `sym_size_available` says no."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    plan = _size_plan(graph, before, size, exclude)
+    if plan is None:
+        raise ValueError(f"no value before {before.name} holds the symbolic size {size.node.expr}")
+    return _realise(graph, before, plan)
 
 
 SIZE_READS = (aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset)
@@ -271,6 +342,17 @@ def is_size_read(n: Node) -> bool:
     return is_op(n, *SIZE_READS)
 
 
+def size_reads_rehomable(region: set[Node]) -> bool:
+    """Whether every size read of `region`'s nodes can read the same size elsewhere."""
+    for n in region:
+        for u in n.users:
+            if is_size_read(u):
+                v = u.meta.get("val")
+                if not isinstance(v, (int, torch.SymInt)) or not sym_size_available(u.graph, u, v, region):
+                    return False
+    return True
+
+
 def rehome_size_reads(graph: torch.fx.Graph, region: set[Node]) -> None:
     """Make size reads of `region`'s nodes read the same size elsewhere, so the region can
     go (a size read alone would keep, say, an attention score matrix alive). Check first
@@ -278,50 +360,6 @@ def rehome_size_reads(graph: torch.fx.Graph, region: set[Node]) -> None:
     for n in region:
         for u in [u for u in n.users if is_size_read(u)]:
             u.replace_all_uses_with(sym_size_node(graph, u, u.meta["val"], exclude=region))
-
-
-def size_reads_rehomable(region: set[Node]) -> bool:
-    return all(sym_size_available(u.graph, u, u.meta.get("val"), exclude=region)
-               for n in region for u in n.users if is_size_read(u))
-
-
-def sym_size_available(graph: torch.fx.Graph, before: Node, size: "int | torch.SymInt",
-                       exclude: "set[Node] | None" = None) -> bool:
-    """Whether `sym_size_node` can express `size` before `before` (without changing the graph)."""
-    if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
-        return True
-    known = set()
-    for n in graph.nodes:
-        if n is before:
-            break
-        if exclude and n in exclude:
-            continue
-        v = n.meta.get("val")
-        sizes = [v] if isinstance(v, torch.SymInt) else list(v.shape) if isinstance(v, torch.Tensor) else []
-        known.update(x.node.expr for x in sizes if isinstance(x, torch.SymInt))
-    expr = size.node.expr
-    return expr in known or all(sym in known for sym in expr.free_symbols)
-
-
-def _find_size(graph: torch.fx.Graph, before: Node, expr, exclude: set[Node]) -> Node | None:
-    dims = []
-    for n in graph.nodes:
-        if n is before:
-            break
-        if n in exclude or (is_size_read(n) and n.args[0] in exclude):
-            continue
-        v = n.meta.get("val")
-        if isinstance(v, torch.SymInt) and v.node.expr == expr:
-            return n
-        if isinstance(v, torch.Tensor) and not dims:
-            dims = [(n, d, s) for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt) and s.node.expr == expr]
-    if not dims:
-        return None
-    src, d, s = dims[0]
-    with graph.inserting_before(before):
-        node = graph.call_function(aten.sym_size.int, (src, d))
-    node.meta["val"] = s
-    return node
 
 
 def replace_with(old: Node, new: Node) -> None:

@@ -54,7 +54,7 @@ def test_inductor_cache_hit_still_reports(tmp_path, monkeypatch):
     second = metainfer.optimize(model, "cpu", example_inputs=(ids,))
     assert second.report.matches("fuse_attention") == first.report.matches("fuse_attention") == 1
     assert second.report.sections[0].from_cache
-    # without metainfer's record cache the graph is compiled again, caches off
-    assert metainfer.cache.clear() >= 1
+    # an Inductor hit without metainfer's record: the graph is compiled again, caches off
+    assert metainfer.cache.clear(parts=("records",)) >= 1  # Inductor's cache stays: it still hits
     third = metainfer.optimize(model, "cpu", example_inputs=(ids,))
     assert third.report.matches("fuse_attention") == 1 and not third.report.sections[0].from_cache

@@ -70,6 +70,8 @@ def test_one_query_token_over_a_cache():
     gm, bind = capture_symbolic(cached_attention, step_inputs(2, 1, 9))
     after, rec = run_pass("fuse_attention", gm)
     assert rec.matches == 1 and "1 x s" in rec.decisions[0], rec.decisions + rec.near_misses
+    (op,) = [n for n in after.graph.nodes if n.target is torch.ops.metainfer.attention.default]
+    assert op.args[3] is None and "keeps every key" in rec.decisions[0], "the all-True mask is proven and dropped"
     for b, past in [(2, 9), (4, 3), (2, 40)]:
         new = step_inputs(b, 1, past)
         with torch.no_grad():

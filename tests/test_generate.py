@@ -113,6 +113,29 @@ def test_generate_leaves_the_model_as_it_was():
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
     opt.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=2, do_sample=False)
     assert "forward" not in model.__dict__, "the compiled forward is only installed during a call"
+    with pytest.raises(ValueError, match="empty input"):
+        opt.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    assert "forward" not in model.__dict__, "... also when the call raises"
+
+
+def test_an_instance_forward_is_what_gets_compiled_and_is_put_back():
+    """A forward set on the instance (as accelerate's hooks do) is the one optimized, and is
+    the model's forward again after each call."""
+    model = models.build("llama-tiny", n_layers=1)
+    original = model.forward
+    calls = []
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = hooked
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert torch.allclose(opt(ids), original(ids), atol=1e-5)
+    assert calls, "the instance forward was traced"
+    assert model.__dict__["forward"] is hooked
     with pytest.raises(AttributeError, match="no generate"):
         metainfer.optimize(torch.nn.Linear(2, 2).eval(), "cpu").generate(torch.zeros(1, 2))
 

@@ -11,7 +11,8 @@ One directory holds everything metainfer's compilations write:
 <root> is, in order: the `cache_dir=` given to optimize(), $METAINFER_CACHE_DIR, or
 ~/.cache/metainfer. Inductor's cache stays valid because the PassManager's uuid() is stable
 and changes with any pass's source, the pipeline, the options or the target. Records are keyed
-by that uuid, the Dynamo graph's code, its input shapes, and the torch/triton/metainfer versions.
+by that uuid, the Dynamo graph's code, its inputs' dtypes/shapes/strides (symbols where the graph
+has them) and the torch/triton/metainfer versions.
 `clear()` (or `metainfer cache clear`) removes both.
 """
 

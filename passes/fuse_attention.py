@@ -158,7 +158,6 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
     _strip_gqa(m)
     _check_fits(m)
-    _check_sizes_bindable(m)
     # outputs: reshape(pv) to 4-D users get the 4-D result; anything else a 3-D view
     out_shape = _out_shape(m)
     for u in list(pv.users):
@@ -167,6 +166,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
             m.replace.append(u)
     if len(m.replace) != len(pv.users):
         m.replace_3d.append(pv)
+    _check_sizes_bindable(m)
     return m
 
 
@@ -363,7 +363,9 @@ def _check_sizes_bindable(m: Match) -> None:
     """Every symbolic size the rewrite will put in the graph can be read outside the region
     it removes (checked before the graph is touched)."""
     B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
-    needed = [m.causal_offset, [B * Hq, Sq, Dv]]
+    needed = [m.causal_offset]
+    if m.replace_3d:
+        needed.append([B * Hq, Sq, Dv])
     for op in (m.q, m.k, m.v):
         if op.expand_batch is not None:
             needed.append(op.expand_batch)

@@ -191,7 +191,7 @@ def _decide(op: str, x, y=0) -> bool | None:
 
 def _atom(a: Affine, op: str, sizes: dict[int, int]) -> tuple:
     """("cmp", a, op), or ("true",)/("false",) when the index ranges decide it: every index is
-    >= 0, and below its axis size where that size is a known int (static shapes)."""
+    >= 0 and below its axis size (an int, or a symbol the shape environment can bound)."""
     if not a.coeffs:
         known = _decide(op, a.const)
         return ("cmp", a, op) if known is None else ("true",) if known else ("false",)

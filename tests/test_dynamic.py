@@ -44,6 +44,8 @@ def capture_symbolic(fn, inputs, dims=((0, 2),)):
             if t.shape[d] > 1:
                 torch._dynamo.mark_dynamic(t, d)
     gm, args = capture_graph(fn, *inputs, dynamic=None)
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder"), \
+        "the graph has symbolic sizes"
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     # each graph tensor is one of the inputs (by position) or a module's parameter (kept)
     where = [next((i for i, x in enumerate(inputs) if x is t), t) for t in tensors]

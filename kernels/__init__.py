@@ -24,7 +24,7 @@ if os.environ.get("METAINFER_TRITON_INTERPRET") == "1" or not torch.cuda.is_avai
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from . import attention, rmsnorm, rope, swiglu  # noqa: E402  (after the switch above)
+from . import attention, fp8_gemm, mla_decode, moe, rmsnorm, rope, sparse_attention, swiglu  # noqa: E402  (after the switch above)
 from ._common import KernelInputError  # noqa: E402
 
 _override: list[bool] = []
@@ -59,5 +59,5 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpret_enabled()
 
 
-__all__ = ["attention", "rmsnorm", "rope", "swiglu", "KernelInputError", "INTERPRETED",
+__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "rmsnorm", "rope", "sparse_attention", "swiglu", "KernelInputError", "INTERPRETED",
            "interpret", "interpret_enabled", "use_triton"]

@@ -8,6 +8,7 @@ interpreter use the "interpreter" row: small blocks, so tests reach partial bloc
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -33,7 +34,11 @@ _POINTWISE = {
              "rmsnorm": dict(elems_per_warp=256, max_warps=16)},
 }
 
-KERNELS = ("attention", "rmsnorm", "swiglu", "rope")
+# Kernels with one row per device class, from each kernel file's DEFAULT_CONFIGS.
+_TILED = {name: importlib.import_module(f"metainfer.kernels.{name}").DEFAULT_CONFIGS
+          for name in ("fp8_gemm", "moe", "sparse_attention", "mla_decode")}
+
+KERNELS = ("attention", "rmsnorm", "swiglu", "rope", *_TILED)
 
 # device type -> (arch, overrides) of the target metainfer last compiled for on it
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
@@ -63,6 +68,8 @@ def config_for(kernel: str, device: torch.device, *, head_dim: int = 0) -> dict[
     if kernel == "attention":
         rows = _ATTENTION[arch]
         cfg = next((c for limit, c in rows if head_dim <= limit), rows[-1][1])
+    elif kernel in _TILED:
+        cfg = _TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"]
     else:
         cfg = _POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel]
     return {**cfg, **overrides.get(kernel, {})}

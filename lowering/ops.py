@@ -16,13 +16,18 @@ from torch import Tensor
 
 from metainfer import kernels
 from metainfer.kernels import attention as _attention
+from metainfer.kernels import fp8_gemm as _fp8_gemm
+from metainfer.kernels import mla_decode as _mla_decode
+from metainfer.kernels import moe as _moe
+from metainfer.kernels import sparse_attention as _sparse_attention
 from metainfer.kernels import rmsnorm as _rmsnorm
 from metainfer.kernels import rope as _rope
 from metainfer.kernels import swiglu as _swiglu
 
 from .kernel_configs import config_for
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "rope"]
+__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "rope", "fp8_linear", "moe_experts",
+           "sparse_attention", "mla_decode"]
 
 
 @torch.library.custom_op("metainfer::attention", mutates_args=())
@@ -94,3 +99,69 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @rope.register_fake
 def _(x, cos, sin):
     return x.new_empty(x.shape, dtype=_rope.out_dtype(x, cos, sin))
+
+
+@torch.library.custom_op("metainfer::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Optional[Tensor], block_n: int, block_k: int,
+               act_quant: bool) -> Tensor:
+    """x @ dequant(weight)^T (+ bias) from the FP8 weight and its block scales, see
+    metainfer.kernels.fp8_gemm; act_quant: W8A8 (activations quantised per 1 x block_k)."""
+    if kernels.use_triton(x):
+        return _fp8_gemm.launch(x, weight, scale_inv, bias, block_n, block_k, act_quant,
+                                config=config_for("fp8_gemm", x.device))
+    return _fp8_gemm.cpu_forward(x, weight, scale_inv, bias, block_n, block_k, act_quant).contiguous()
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale_inv, bias, block_n, block_k, act_quant):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("metainfer::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                s_gate: Optional[Tensor], s_up: Optional[Tensor], s_down: Optional[Tensor],
+                block_n: int, block_k: int) -> Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) with SwiGLU experts as one grouped
+    GEMM, see metainfer.kernels.moe (FP8 weights when the scales are given)."""
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
+    if kernels.use_triton(x):
+        return _moe.launch(*args, config=config_for("moe", x.device))
+    return _moe.cpu_forward(*args).contiguous()
+
+
+@moe_experts.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("metainfer::sparse_attention", mutates_args=())
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, mask: Optional[Tensor], scale: float,
+                     causal: bool, causal_offset: int, zero_empty_rows: bool) -> Tensor:
+    """Attention over the keys `indices` selects per query (DSA top-k), see
+    metainfer.kernels.sparse_attention."""
+    args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    if kernels.use_triton(q):
+        cfg = config_for("sparse_attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
+        return _sparse_attention.launch(*args, config=cfg)
+    return _sparse_attention.cpu_forward(*args).contiguous()
+
+
+@sparse_attention.register_fake
+def _(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+@torch.library.custom_op("metainfer::mla_decode", mutates_args=())
+def mla_decode(q_latent: Tensor, q_pe: Tensor, ckv: Tensor, kpe: Tensor, indices: Optional[Tensor],
+               mask: Optional[Tensor], scale: float, causal: bool, causal_offset: int,
+               zero_empty_rows: bool) -> Tensor:
+    """MLA attention over the latent cache in the absorbed form, see metainfer.kernels.mla_decode."""
+    args = (q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    if kernels.use_triton(q_latent):
+        return _mla_decode.launch(*args, config=config_for("mla_decode", q_latent.device))
+    return _mla_decode.cpu_forward(*args).contiguous()
+
+
+@mla_decode.register_fake
+def _(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows):
+    return q_latent.new_empty(q_latent.shape)

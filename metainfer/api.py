@@ -17,6 +17,7 @@ from metainfer import targets as _targets
 from metainfer.lowering.backend import LOWERINGS, MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
+from metainfer.capture import capturable
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
 
 
@@ -71,10 +72,11 @@ class OptimizedModel:
             _check_shapes(self.model, args, kwargs)
             self._backend.phase = phase()
             self._backend.call_starts()
-            # model constants (eps, attention scales) stay Python numbers in the graph rather
-            # than graph inputs, which Dynamo makes them once it compiles dynamic shapes
-            with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
+            with torch.no_grad(), capturable(self.model) as notes:
                 out = self._compiled(*args, **kwargs)
+            for note in notes:
+                if note not in self.report.notes:
+                    self.report.notes.append(note)
             self._dump_new_sections()
             return out
 

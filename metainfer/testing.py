@@ -13,6 +13,7 @@ import copy
 import torch
 
 from metainfer import targets as _targets
+from metainfer.capture import DYNAMO_CONFIG
 from metainfer.passes import Pass, PassManager, PassRecord, get_pass
 from metainfer.verify import mismatch
 
@@ -45,7 +46,8 @@ def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.G
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=select_decomp_table())
 
     # every capture of the same code (a test's closure, say) is a new cache entry for Dynamo
-    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20,
+                                                     **DYNAMO_CONFIG):
         torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*inputs)
     gm = box["gm"]
     if dynamic is not False:

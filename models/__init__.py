@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import llama
+from . import deepseek, llama
 
-_FAMILIES = {name: llama for name in llama.CONFIGS}
+_FAMILIES = {**{name: llama for name in llama.CONFIGS}, **{name: deepseek for name in deepseek.CONFIGS}}
 
 
 def names() -> list[str]:
@@ -32,4 +32,4 @@ def example_inputs(name: str, batch: int = 1, seq: int = 32, device="cpu", seed:
     return _FAMILIES[name].example_inputs(config(name), batch=batch, seq=seq, device=device, seed=seed)
 
 
-__all__ = ["llama", "names", "config", "build", "example_inputs"]
+__all__ = ["llama", "deepseek", "names", "config", "build", "example_inputs"]

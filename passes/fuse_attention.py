@@ -91,22 +91,27 @@ class FuseAttention(Pass):
         interp = ma.MaskInterpreter()
         for node in list(graph.nodes):
             try:
-                if is_op(node, aten.bmm):
-                    m = _match_eager(node, interp)
-                elif node.target in _SDPA_OPS:
-                    m = _match_sdpa(node, interp)
-                else:
-                    continue
+                m = match_site(node, interp)
             except NearMiss as e:
                 res.near_misses.append(f"{location(node)}: attention not fused: {e}")
                 continue
             if m is None:
                 continue
-            _rewrite(graph, m)
+            rewrite(graph, m)
             res.matches += 1
-            res.decisions.append(_describe(m, node))
+            res.decisions.append(describe(m, node))
         res.modified = res.matches > 0
         return res
+
+
+def match_site(node: Node, interp: ma.MaskInterpreter) -> Match | None:
+    """The attention whose last node is `node` (the p @ v bmm or an SDPA op), None if it is
+    not one; NearMiss if it is one that cannot be rewritten."""
+    if is_op(node, aten.bmm):
+        return _match_eager(node, interp)
+    if node.target in _SDPA_OPS:
+        return _match_sdpa(node, interp)
+    return None
 
 
 # ---- eager form ------------------------------------------------------------------------
@@ -362,7 +367,7 @@ def _usable_offset(off, m: Match) -> bool:
 def _check_sizes_bindable(m: Match) -> None:
     """Every symbolic size the rewrite will put in the graph can be read outside the region
     it removes (checked before the graph is touched)."""
-    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = dims(m)
     needed = [m.causal_offset]
     if m.replace_3d:
         needed.append([B * Hq, Sq, Dv])
@@ -411,7 +416,7 @@ def _strip_gqa(m: Match) -> None:
         m.notes.append(f"GQA, {rk[1]} query heads per kv head (repeat_kv removed)")
 
 
-def _dims(m: Match):
+def dims(m: Match):
     """(B, Hq, Sq, D, Hkv, Sk, Dv) as the op will see them."""
     qs = shape(m.q.node)
     ks = shape(m.k.node)
@@ -424,7 +429,7 @@ def _dims(m: Match):
 
 
 def _check_fits(m: Match) -> None:
-    B, Hq, Sq, D, Hkv, Sk, Dv, ks, vs = _dims(m)
+    B, Hq, Sq, D, Hkv, Sk, Dv, ks, vs = dims(m)
     dts = {dtype(m.q.node), dtype(m.k.node), dtype(m.v.node)}
     if len(dts) != 1:
         raise NearMiss(f"q, k, v have different dtypes {sorted(map(str, dts))}")
@@ -449,7 +454,7 @@ def _check_fits(m: Match) -> None:
 
 
 def _out_shape(m: Match):
-    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = dims(m)
     return (B, Hq, Sq, Dv)
 
 
@@ -518,7 +523,7 @@ def _materialise(graph, m: Match, op: Operand) -> Node:
     return n
 
 
-def _rewrite(graph, m: Match) -> None:
+def rewrite(graph, m: Match) -> None:
     rehome_size_reads(graph, m.region)
     q, k, v = (_materialise(graph, m, x) for x in (m.q, m.k, m.v))
     mask = m.mask
@@ -539,8 +544,8 @@ def _fmt_shape(s) -> str:
     return "[" + ", ".join(str(x) for x in (s or ())) + "]"
 
 
-def _describe(m: Match, node: Node) -> str:
-    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = _dims(m)
+def describe(m: Match, node: Node) -> str:
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = dims(m)
     v = f", v dim {Dv}" if not same(Dv, D) else ""
     return (f"{location(node)}: {m.form} attention -> metainfer.attention "
             f"({Hq} q heads / {Hkv} kv heads x {D}{v}, {Sq} x {Sk} tokens, scale {m.scale:.4g}; {'; '.join(m.notes)})")

@@ -63,6 +63,7 @@ class Target:
     topology: Topology
     collective_backend: str
     kernels: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per-kernel overrides
+    pass_options: Mapping[str, Any] = field(default_factory=dict)  # [passes]: defaults for pass options
     source: str = ""  # where it was loaded from
 
     @property
@@ -142,9 +143,12 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     if backend not in ("nccl", "gloo"):
         raise TargetError(f"{source}: collectives.backend must be 'nccl' or 'gloo', got {backend!r}")
     kernels = dict(data.get("kernels", {}))
+    pass_options = data.get("passes", {})
+    if not isinstance(pass_options, Mapping):
+        raise TargetError(f"{source}: field 'passes' must be a table of pass options, got {pass_options!r}")
     return Target(name=name, description=r.str("description", default=name), num_devices=num_devices,
                   device=device, topology=topology, collective_backend=backend, kernels=kernels,
-                  source=source)
+                  pass_options=dict(pass_options), source=source)
 
 
 class _Reader:

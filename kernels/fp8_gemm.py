@@ -1,0 +1,353 @@
+"""Block-scaled FP8 GEMM, y = x @ w_real^T (+ bias), with weights stored as DeepSeek-V3 does.
+
+Storage: `w` (N, K) torch.float8_e4m3fn and `scale_inv` (ceil(N/block_n), ceil(K/block_k))
+float32, the real weight being `w[n, k].float() * scale_inv[n // block_n, k // block_k]`.
+DeepSeek-V3 uses 128x128 blocks; block_n / block_k are arguments (powers of two >= 16).
+`x` is (..., K) in float32 / bfloat16 / float16; the output is (..., N) in x's dtype, and
+`bias` (N,) is added in float32 before the one final rounding.
+
+Two modes:
+- W8A16 (`act_quant=False`): x stays in its dtype. The kernel loads FP8 weight tiles and
+  converts them to x's dtype in registers, which is exact (every e4m3 value is a bf16, fp16
+  and fp32 value), so `dot(x_tile, w_tile)` is accumulated in float32 and multiplied by the
+  tile's one block scale (BLOCK_N divides block_n and BLOCK_K divides block_k). The weight
+  is never dequantised to a copy in memory.
+- W8A8 (`act_quant=True`): the launcher first quantises x with `quantize_activations(x,
+  block_k)` (DeepSeek's act_quant: per row and per group of block_k elements, scale =
+  amax/448, 0 -> 1); per K tile the kernel computes dot(x_fp8, w_fp8) in float32 (a real
+  FP8 tensor-core dot on sm_89+; an exact fp16 dot elsewhere) times x_scale[row, g] *
+  scale_inv[n // block_n, g].
+On GPUs without e4m3 support in Triton (before sm_89, ROCm) the kernel is handed the bytes
+and decodes e4m3 itself (exactly), then takes the fp16 / x.dtype dot. Under Triton 3.9's
+interpreter fp8 loads, casts and fp8 x fp8 dots are exact, so it runs the sm_89+ path; only
+bfloat16 dot operands are upcast to float32 there (the interpreter mishandles bf16 dots).
+
+Implementations of the same function:
+- `launch`: the Triton kernel;
+- `cpu_forward`: the CPU path: float32 matmuls over chunks of whole scale rows of w, so
+  the dequantised weight never exists whole (O(_CPU_CHUNK_BYTES) extra memory);
+- `reference`: plain float32 math on the whole dequantised weight (and, for W8A8, on the
+  quantised-then-dequantised activations), rounded once to x's dtype: the oracle;
+- `fallback`: what a model does without this kernel, `F.linear(x, dequantize(w, ..., x.dtype),
+  bias)`: the weight rounded to x's dtype, then an x.dtype linear.
+
+Tolerances (what tests/test_kernel_fp8_gemm.py checks). With A = |x| @ |w_real|^T + |bias|
+(the sum of the magnitudes of the terms; rounding errors of a dot product scale with it) and u
+the unit roundoff of x's dtype (2^-24 fp32, 2^-8 bf16, 2^-11 fp16):
+- launch and cpu_forward vs reference, both modes: |y - ref| <= 2u |ref| + 1e-4 A
+  (2u = one ulp of the output: both round nearly equal float32 sums once);
+- W8A16 launch vs fallback: |y - fb| <= 2u |fb| + (2u + 1e-4) A, the fallback's extra error
+  being its rounding of each weight, of the bias and (torch's CPU linear) of x @ w^T to x's
+  dtype; for bf16: 2^-7 |fb| + 7.9e-3 A;
+- W8A8 vs W8A16 (the activation quantisation error): e4m3 keeps 3 mantissa bits, so each
+  quantised activation is off by at most 2^-4 relative (normal range) or 2^-10 * scale
+  (subnormal range), which bounds |y8 - y16| <= 2^-4 A + 2^-10 (x_scale @ |w_real|^T) per
+  element (tested, with 1e-4 A slack). Over a dot product the independent errors average
+  down: for Gaussian data the relative Frobenius error ||y8 - y16||_F / ||y16||_F is about
+  the RMS relative activation error, measured 0.019-0.029 (median 0.024) over 2000 random
+  shapes with K >= 64 and M*N >= 256; the tests assert < 0.04 on such shapes (with small K
+  or few outputs a sum can cancel unluckily, so there only the elementwise bound is asserted).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import as_rows, check, check_float
+
+NAME = "fp8_gemm"
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+# Two suggested config rows; BLOCK_N / BLOCK_K are clamped to block_n / block_k at launch.
+DEFAULT_CONFIGS = {
+    # small tiles: the interpreter then reaches partial tiles and several scale blocks cheaply
+    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1),
+    # 3 stages of a 64x64 bf16 x tile + a 64x128 fp8 w tile is 48 KiB of shared memory,
+    # within Ada's 99 KiB as well as Hopper's 227 KiB
+    "cuda": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+}
+
+
+@triton.jit
+def _e4m3_bits_to_f32(b):
+    """float8_e4m3fn bit patterns (uint8) -> float32, for GPUs without e4m3 conversions."""
+    b = b.to(tl.int32)
+    mag = b & 0x7F
+    # exponent field e (bias 7) -> e + 120 (bias 127); mantissa moves up 20 bits
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    # exponent field 0 is subnormal: m * 2^-9, built without float subnormals (GPUs may flush them)
+    sub = (mag & 0x7).to(tl.float32) * 0.001953125
+    v = tl.where(mag >= 8, normal, sub)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _fp8_gemm_fwd(
+    X, XS, W, WS, BIAS, Y,
+    M, N, K, block_n, block_k,
+    stride_xm, stride_xsm, stride_xsg,
+    stride_wn, stride_wk, stride_wsn, stride_wsk,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,  # W (and X in W8A8) hold float8_e4m3fn, else their uint8 bits
+    FP8_DOT: tl.constexpr,  # W8A8: dot the fp8 tiles directly, else as (exact) fp16
+    UPCAST: tl.constexpr,  # W8A16: dot in float32 (fp32 x, and bf16 x under the interpreter)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < M
+    col_ok = offs_n < N
+    # int64 row offsets: M * K, N * K and M * N reach 2^31 on real models
+    rows64 = offs_m.to(tl.int64)
+    cols64 = offs_n.to(tl.int64)
+    x_rows = X + rows64[:, None] * stride_xm
+    w_cols = W + cols64[None, :] * stride_wn
+    # BLOCK_N divides block_n: the whole tile lies in one scale row
+    ws_row = WS + ((pid_n * BLOCK_N) // block_n).to(tl.int64) * stride_wsn
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        # BLOCK_K divides block_k: the tile lies in one scale group
+        g = k0 // block_k
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_scale = tl.load(ws_row + g * stride_wsk)
+        if ACT_QUANT:
+            if FP8_DOT:
+                d = tl.dot(a, b)
+            elif FP8_NATIVE:
+                d = tl.dot(a.to(tl.float16), b.to(tl.float16))
+            else:
+                d = tl.dot(_e4m3_bits_to_f32(a).to(tl.float16), _e4m3_bits_to_f32(b).to(tl.float16))
+            x_scale = tl.load(XS + rows64 * stride_xsm + g * stride_xsg, mask=row_ok, other=0.0)
+            acc += d * (x_scale[:, None] * w_scale)
+        else:
+            if FP8_NATIVE:
+                b = b.to(a.dtype)
+            else:
+                b = _e4m3_bits_to_f32(b).to(a.dtype)
+            if UPCAST:
+                d = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(a, b)
+            acc += d * w_scale
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _is_block(b) -> bool:
+    return isinstance(b, int) and not isinstance(b, bool) and b >= 16 and b & (b - 1) == 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant) -> None:
+    """Raise KernelInputError unless the inputs are ones every implementation supports."""
+    for name, b in (("block_n", block_n), ("block_k", block_k)):
+        check(_is_block(b), NAME, f"{name} must be a power of two >= 16, got {b!r}")
+    check_float(NAME, "x", x)
+    check(isinstance(w, torch.Tensor), NAME, f"w must be a tensor, got {type(w).__name__}")
+    check(w.dtype in FP8_DTYPES, NAME,
+          f"w has dtype {w.dtype}; supported FP8 weight format: torch.float8_e4m3fn (DeepSeek-V3's); "
+          "float8_e5m2, float8_e4m3fnuz and float8_e5m2fnuz are not supported")
+    check(w.dim() == 2, NAME, f"w must be 2-D (N, K), got shape {tuple(w.shape)}")
+    N, K = w.shape
+    check(K >= 1, NAME, f"w has no columns (shape {tuple(w.shape)}); K must be >= 1")
+    check(x.dim() >= 1 and x.shape[-1] == K, NAME,
+          f"x's last dim must equal w's K={K}, got x shape {tuple(x.shape)}")
+    check(isinstance(scale_inv, torch.Tensor), NAME, f"scale_inv must be a tensor, got {type(scale_inv).__name__}")
+    check(scale_inv.dtype == torch.float32, NAME, f"scale_inv has dtype {scale_inv.dtype}; it must be float32")
+    expected = (_cdiv(N, block_n), _cdiv(K, block_k))
+    check(tuple(scale_inv.shape) == expected, NAME,
+          f"scale_inv shape must be (ceil(N/block_n), ceil(K/block_k)) = {expected} for w {tuple(w.shape)} "
+          f"with blocks {block_n}x{block_k}, got {tuple(scale_inv.shape)}")
+    devices = {x.device, w.device, scale_inv.device}
+    if bias is not None:
+        check_float(NAME, "bias", bias)
+        check(tuple(bias.shape) == (N,), NAME, f"bias shape must be ({N},), got {tuple(bias.shape)}")
+        devices.add(bias.device)
+    check(len(devices) == 1, NAME, f"inputs are on different devices: {sorted(str(d) for d in devices)}")
+    check(isinstance(act_quant, bool), NAME, f"act_quant must be a bool, got {act_quant!r}")
+
+
+def _tiles(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> tuple[int, int, int]:
+    """BLOCK_M/N/K from `config`, clamped so each tile uses one scale and is no larger than needed."""
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        check(_is_block(config.get(key)), NAME,
+              f"config[{key!r}] must be a power of two >= 16 (tl.dot's minimum), got {config.get(key)!r}")
+    small = lambda n: max(16, 1 << max(0, (n - 1).bit_length()))  # noqa: E731
+    # all powers of two, so min() of them divides block_n / block_k
+    return (min(config["BLOCK_M"], small(M)),
+            min(config["BLOCK_N"], block_n, small(N)),
+            min(config["BLOCK_K"], block_k, small(K)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_fp8_native(index: int) -> bool:
+    # e4m3 ("fp8e4nv") conversions and dots need sm_89+; ROCm GPUs use the fnuz format instead
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def _plan(device: torch.device) -> dict:
+    """How the kernel reads FP8 on `device`: natively (interpreter, sm_89+) or from its bits."""
+    if device.type != "cuda":
+        # Triton 3.9's interpreter converts and dots float8_e4m3fn tiles exactly (checked), so
+        # the interpreter runs the same native path as a Hopper/Ada GPU
+        return dict(FP8_NATIVE=True, FP8_DOT=True)
+    native = _cuda_fp8_native(device.index if device.index is not None else torch.cuda.current_device())
+    return dict(FP8_NATIVE=native, FP8_DOT=native)
+
+
+def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
+    """Run the Triton kernel. `config` holds BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant)
+    x2 = as_rows(NAME, "x", x)
+    M, K = x2.shape
+    N = w.shape[0]
+    out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    y2 = out.view(M, N)
+    bm, bn, bk = _tiles(config, M, N, K, block_n, block_k)
+    plan = _plan(x.device)
+    if act_quant:
+        a, xs = quantize_activations(x2, block_k)
+        xs_strides = xs.stride()
+    else:
+        a, xs, xs_strides = x2, x2, (0, 0)
+    wk = w
+    if not plan["FP8_NATIVE"]:
+        # hand the kernel the bytes; it decodes e4m3 itself
+        wk = w.view(torch.uint8)
+        if act_quant:
+            a = a.view(torch.uint8)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _fp8_gemm_fwd[grid](
+        a, xs, wk, scale_inv, bias if bias is not None else y2, y2,
+        M, N, K, block_n, block_k,
+        a.stride(0), *xs_strides,
+        *w.stride(), *scale_inv.stride(),
+        y2.stride(0),
+        HAS_BIAS=bias is not None, ACT_QUANT=bool(act_quant),
+        FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=plan["FP8_DOT"],
+        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+        # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
+        UPCAST=x.dtype == torch.float32 or (_interpreted() and x.dtype == torch.bfloat16),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
+    )
+    return out
+
+
+def _blocked(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(R, C) -> (R/rows, rows, C/cols, cols), zero-padding R and C up to block multiples."""
+    R, C = t.shape
+    pr, pc = _cdiv(R, rows) * rows - R, _cdiv(C, cols) * cols - C
+    if pr or pc:
+        t = F.pad(t, (0, pc, 0, pr))
+    return t.view(t.shape[0] // rows, rows, t.shape[1] // cols, cols)
+
+
+def dequantize(w, scale_inv, block_n: int, block_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """w (N, K) e4m3 and its block scales -> the real weight (N, K) in `dtype` (float32 math, one rounding)."""
+    N, K = w.shape
+    wb = _blocked(w.float(), block_n, block_k) * scale_inv[:, None, :, None]
+    return wb.flatten(2).flatten(0, 1)[:N, :K].to(dtype).contiguous()
+
+
+def quantize_weight(w_real, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_real (N, K) -> (w (N, K) float8_e4m3fn, scale_inv (ceil(N/bn), ceil(K/bk)) float32).
+
+    Per block scale = amax / 448 (1 for an all-zero block), w = w_real / scale rounded to e4m3."""
+    check(_is_block(block_n) and _is_block(block_k), NAME,
+          f"block sizes must be powers of two >= 16, got {block_n!r}, {block_k!r}")
+    check(w_real.dim() == 2, NAME, f"w_real must be 2-D (N, K), got shape {tuple(w_real.shape)}")
+    N, K = w_real.shape
+    wb = _blocked(w_real.float(), block_n, block_k)
+    amax = wb.abs().amax(dim=(1, 3))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    q = (wb / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.flatten(2).flatten(0, 1)[:N, :K].contiguous(), scale
+
+
+def quantize_activations(x, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's act_quant: per row and per `group` consecutive K elements, scale = amax / 448
+    (1 where amax is 0), x_fp8 = (x / scale) in e4m3. Returns x_fp8 (x.shape, contiguous)
+    and x_scale (*x.shape[:-1], ceil(K/group)) float32."""
+    check(isinstance(group, int) and group >= 1, NAME, f"group must be a positive int, got {group!r}")
+    K = x.shape[-1]
+    G = _cdiv(K, group)
+    xf = x.float()
+    if G * group != K:
+        xf = F.pad(xf, (0, G * group - K))
+    xg = xf.unflatten(-1, (G, group))
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    q = (xg / scale).to(torch.float8_e4m3fn).flatten(-2)[..., :K].contiguous()
+    return q, scale.squeeze(-1)
+
+
+def _dequantize_activations(q, x_scale, group: int) -> torch.Tensor:
+    K = q.shape[-1]
+    return (q.float() * x_scale.repeat_interleave(group, dim=-1)[..., :K])
+
+
+def reference(x, w, scale_inv, bias=None, block_n=128, block_k=128, act_quant=False) -> torch.Tensor:
+    """Plain float32 math on the whole dequantised weight, rounded once to x.dtype: the oracle."""
+    xf = _dequantize_activations(*quantize_activations(x, block_k), block_k) if act_quant else x.float()
+    y = xf @ dequantize(w, scale_inv, block_n, block_k, torch.float32).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fallback(x, w, scale_inv, bias, block_n: int, block_k: int) -> torch.Tensor:
+    """The model's code without this kernel: dequantise the whole weight to x's dtype, then F.linear."""
+    return F.linear(x, dequantize(w, scale_inv, block_n, block_k, x.dtype),
+                    None if bias is None else bias.to(x.dtype))
+
+
+# Bytes of float32 dequantised weight per chunk in the CPU path.
+_CPU_CHUNK_BYTES = 16 * 2**20
+
+
+def cpu_forward(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool) -> torch.Tensor:
+    """CPU path: float32 matmuls over chunks of whole scale rows of w (never the whole dequantised w)."""
+    check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant)
+    N, K = w.shape
+    x2 = x.reshape(-1, K)
+    a = _dequantize_activations(*quantize_activations(x2, block_k), block_k) if act_quant else x2.float()
+    out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    rows = max(1, _CPU_CHUNK_BYTES // (block_n * K * 4)) * block_n
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        wc = dequantize(w[n0:n1], scale_inv[n0 // block_n:_cdiv(n1, block_n)], block_n, block_k, torch.float32)
+        if bias is None:
+            yc = a @ wc.T
+        else:
+            yc = torch.addmm(bias[n0:n1].float(), a, wc.T)
+        out[:, n0:n1] = yc  # each output element is whole here: rounded once
+    return out.view(*x.shape[:-1], N)

@@ -1,0 +1,339 @@
+"""MLA attention over the compressed (latent) KV cache, in the "absorbed" form DeepSeek decodes with.
+
+Shapes: q_latent (B, H, Sq, R) (q's no-rope part already multiplied by W_UK), q_pe (B, H, Sq, P),
+ckv (B, T, R) (latent cache, shared by all heads), kpe (B, T, P) (rope key, shared by all heads),
+optional indices (B, Sq, TOPK) int32/int64 (DSA sparse variant: key t is kept for query i only
+if t is in indices[b, i, :]; an index < 0 or >= T is an empty slot; indices are assumed
+distinct, a duplicate counts twice in `launch`/`cpu_forward` and once in `reference`),
+optional mask broadcastable to (B, H, Sq, T) (float: added to the scaled scores; bool: True
+keeps; with indices it is read only at the selected positions).
+
+    scores[b,h,i,t] = (q_latent[b,h,i] . ckv[b,t] + q_pe[b,h,i] . kpe[b,t]) * scale  (+ mask)
+    out[b,h,i]      = sum_t softmax_t(scores[b,h,i]) * ckv[b,t]        -> (B, H, Sq, R)
+
+`causal` keeps t for query i iff t <= i + causal_offset (T - Sq for a decode step); a query
+row with no key kept gives NaN, or 0 with `zero_empty_rows`. R up to 1024 (DeepSeek: 512),
+P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation float32.
+
+- `_mla_fwd`: Triton kernel. One program per (query row i, batch, block of BLOCK_H heads): the
+  heads of one query row share every ckv/kpe tile they load, as FlashMLA does. It walks T (or
+  the row's TOPK indices) in blocks of BLOCK_N; each ckv tile (BLOCK_N x R) is loaded ONCE and
+  used as the key (transposed, for q_latent . ckv) and as the value (p @ ckv).
+  R is not tiled: the whole latent row stays in the program, so the accumulator is
+  BLOCK_H x next_pow2(R) float32 (16 x 512 x 4 B = 32 KiB, spread over the warps' registers)
+  and the ckv tile BLOCK_N x R. Tiling R for the score dot would mean loading each ckv tile
+  twice (R chunks for the scores, then the full rows for p @ ckv), and splitting the output R
+  across programs would re-read all of ckv per split; DeepSeek's R=512 fits whole with
+  BLOCK_H=16, BLOCK_N=32, 8 warps. Larger R (up to 1024) wants BLOCK_N=16.
+- `cpu_forward`: torch, chunked over queries (dense: O(chunk x T) scores; sparse: gathers the
+  selected ckv/kpe rows, O(chunk x TOPK x R)).
+- `reference`: dense float32 math (index set scattered into a keep-mask), for tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, check_float, next_pow2
+from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
+
+NAME = "mla_decode"
+MAX_LATENT_DIM = 1024
+MAX_ROPE_DIM = 128
+
+# Suggested launch rows (the lead wires them into lowering/kernel_configs.py).
+# BLOCK_H: heads per program (power of two >= 16; the tile is min(BLOCK_H, max(16, next_pow2(H)))
+# rows); BLOCK_N: cache positions (or selected indices) per step (>= 16).
+DEFAULT_CONFIGS = {
+    "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16},
+    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+}
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _mla_fwd(
+    QL, QP, CKV, KPE, IDX, M, O,
+    stride_qlb, stride_qlh, stride_qlm, stride_qlr,
+    stride_qpb, stride_qph, stride_qpm, stride_qpp,
+    stride_cb, stride_cn, stride_cr,
+    stride_pb, stride_pn, stride_pp,
+    stride_ib, stride_im, stride_it,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_or,
+    num_heads, head_blocks, seq_kv, topk, dim_r, dim_p,
+    scale, causal_offset,
+    HAS_INDICES: tl.constexpr,
+    MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
+    CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,  # see `launch`
+):
+    # 64-bit row, head and batch offsets: B x T x R of a long latent cache (or a long-context
+    # mask row) can pass 2**31 elements
+    i = tl.program_id(0).to(tl.int64)  # query row
+    pid = tl.program_id(1)
+    hb = pid % head_blocks
+    b = (pid // head_blocks).to(tl.int64)
+
+    heads = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    row_ok = heads < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    r_ok = offs_r < dim_r
+    p_ok = offs_p < dim_p
+
+    ql = tl.load(QL + b * stride_qlb + i * stride_qlm + heads[:, None] * stride_qlh + offs_r[None, :] * stride_qlr,
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(QP + b * stride_qpb + i * stride_qpm + heads[:, None] * stride_qph + offs_p[None, :] * stride_qpp,
+                 mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+    c_base = CKV + b * stride_cb
+    p_base = KPE + b * stride_pb
+    m_base = M + b * stride_mb + i * stride_mm + heads[:, None] * stride_mh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+
+    if HAS_INDICES:
+        hi = topk
+    else:
+        hi = seq_kv
+        if CAUSAL:
+            # this program serves one query row: keys past i + offset are never visited
+            hi = tl.maximum(tl.minimum(seq_kv, i + causal_offset + 1), 0)
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if HAS_INDICES:
+            cols = tl.load(IDX + b * stride_ib + i * stride_im + offs_n * stride_it,
+                           mask=offs_n < topk, other=-1).to(tl.int64)
+            col_ok = (cols >= 0) & (cols < seq_kv)
+        else:
+            cols = offs_n.to(tl.int64)
+            col_ok = cols < seq_kv
+        if CAUSAL:
+            col_ok = col_ok & (cols <= i + causal_offset)
+        cols = tl.where(col_ok, cols, 0)
+
+        # one load of the latent tile serves as key and as value
+        c = tl.load(c_base + cols[:, None] * stride_cn + offs_r[None, :] * stride_cr,
+                    mask=col_ok[:, None] & r_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
+        kp = tl.load(p_base + cols[None, :] * stride_pn + offs_p[:, None] * stride_pp,
+                     mask=col_ok[None, :] & p_ok[:, None], other=0.0)  # (BLOCK_P, BLOCK_N)
+        s = _dot(ql, tl.trans(c), DOT_PRECISION, DOT_UPCAST)
+        s = (s + _dot(qp, kp, DOT_PRECISION, DOT_UPCAST)) * scale
+        keep = col_ok[None, :] & row_ok[:, None]
+        if MASK_KIND == 1:
+            mval = tl.load(m_base + cols[None, :] * stride_mn, mask=keep, other=0.0)
+            s = s + mval.to(tl.float32)
+        if MASK_KIND == 2:
+            mkeep = tl.load(m_base + cols[None, :] * stride_mn, mask=keep, other=0)
+            keep = keep & (mkeep != 0)
+        s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows with nothing kept so far: subtract 0, not -inf, so exp gives 0 and not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # a row with no key kept: 0/0 = NaN as in eager softmax, or 0 as SDPA gives
+    l_div = tl.where(row_ok, l_i, 1.0)
+    if ZERO_EMPTY_ROWS:
+        l_div = tl.where(l_div == 0.0, 1.0, l_div)
+    out = acc / l_div[:, None]
+    tl.store(O + b * stride_ob + i * stride_om + heads[:, None] * stride_oh + offs_r[None, :] * stride_or,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset,
+                 zero_empty_rows=False) -> None:
+    """Raise KernelInputError unless the inputs are ones every implementation supports."""
+    for name, t, nd, dims in (("q_latent", q_latent, 4, "(batch, heads, seq, latent_dim)"),
+                              ("q_pe", q_pe, 4, "(batch, heads, seq, rope_dim)"),
+                              ("ckv", ckv, 3, "(batch, cache_len, latent_dim)"),
+                              ("kpe", kpe, 3, "(batch, cache_len, rope_dim)")):
+        check_float(NAME, name, t)
+        check(t.dim() == nd, NAME, f"{name} must be {nd}-D {dims}, got shape {tuple(t.shape)}")
+    check(q_latent.dtype == q_pe.dtype == ckv.dtype == kpe.dtype, NAME,
+          f"q_latent, q_pe, ckv, kpe dtypes differ: {q_latent.dtype}, {q_pe.dtype}, {ckv.dtype}, {kpe.dtype}")
+    check(q_latent.device == q_pe.device == ckv.device == kpe.device, NAME,
+          "q_latent, q_pe, ckv, kpe are on different devices")
+    B, H, Sq, R = q_latent.shape
+    P = q_pe.shape[3]
+    check(tuple(q_pe.shape[:3]) == (B, H, Sq), NAME,
+          f"q_pe shape {tuple(q_pe.shape)} does not match q_latent shape {tuple(q_latent.shape)} "
+          "in batch/heads/seq")
+    check(ckv.shape[0] == B and kpe.shape[0] == B, NAME,
+          f"batch sizes differ: q_latent {B}, ckv {ckv.shape[0]}, kpe {kpe.shape[0]}")
+    T = ckv.shape[1]
+    check(kpe.shape[1] == T, NAME, f"ckv and kpe cache lengths differ: {T} vs {kpe.shape[1]}")
+    check(T > 0, NAME, "the latent cache is empty (cache_len 0)")
+    check(ckv.shape[2] == R, NAME, f"q_latent and ckv latent dims differ: {R} vs {ckv.shape[2]}")
+    check(kpe.shape[2] == P, NAME, f"q_pe and kpe rope dims differ: {P} vs {kpe.shape[2]}")
+    check(0 < R <= MAX_LATENT_DIM, NAME, f"latent dim must be in 1..{MAX_LATENT_DIM}, got {R}")
+    check(0 < P <= MAX_ROPE_DIM, NAME, f"rope dim must be in 1..{MAX_ROPE_DIM}, got {P}")
+    if indices is not None:
+        check_indices(NAME, indices, B, Sq, q_latent.device)
+    check_mask(NAME, mask, (B, H, Sq, T), q_latent.device)
+    check_scalars(NAME, scale, causal, causal_offset, zero_empty_rows)
+
+
+def _block(config: dict, key: str) -> int:
+    val = config[key]
+    check(isinstance(val, int) and val >= 16 and val & (val - 1) == 0, NAME,
+          f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
+    return val
+
+
+def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
+           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
+    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages."""
+    check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    B, H, Sq, R = q_latent.shape
+    P, T = q_pe.shape[3], ckv.shape[1]
+    out = torch.empty((B, H, Sq, R), dtype=q_latent.dtype, device=q_latent.device)
+    if out.numel() == 0:
+        return out
+    if mask is None:
+        mask_kind, m, mstrides = 0, q_latent, (0, 0, 0, 0)
+    else:
+        mask_kind = 2 if mask.dtype == torch.bool else 1
+        m = mask.expand(B, H, Sq, T)  # stride 0 on broadcast dims, no copy
+        mstrides = m.stride()
+    if indices is None:
+        idx, istrides, topk = q_latent, (0, 0, 0), 0
+    else:
+        idx, istrides, topk = indices, indices.stride(), indices.shape[2]
+    # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
+    block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
+    block_n = _block(config, "BLOCK_N")
+    head_blocks = triton.cdiv(H, block_h)
+    grid = (Sq, B * head_blocks)
+    _mla_fwd[grid](
+        q_latent, q_pe, ckv, kpe, idx, m, out,
+        *q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(), *istrides, *mstrides,
+        *out.stride(),
+        H, head_blocks, T, topk, R, P,
+        float(scale), int(causal_offset),
+        HAS_INDICES=indices is not None,
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+        BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+        DOT_UPCAST=_interpreted() and q_latent.dtype == torch.bfloat16,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )
+    return out
+
+
+def reference(q_latent, q_pe, ckv, kpe, indices=None, mask=None, scale=None, causal=False,
+              causal_offset=0, zero_empty_rows=False) -> torch.Tensor:
+    """Dense float32 math (scores over the whole cache, index set as a keep-mask): the test oracle.
+    `scale=None` means 1/sqrt(R + P); DeepSeek passes its own (1/sqrt(nope + rope head dim))."""
+    R, P = q_latent.shape[-1], q_pe.shape[-1]
+    scale = 1.0 / math.sqrt(R + P) if scale is None else scale
+    Sq, T = q_latent.shape[2], ckv.shape[1]
+    cf = ckv.float()[:, None]  # (B, 1, T, R): one latent row serves every head
+    s = (q_latent.float() @ cf.transpose(-1, -2) + q_pe.float() @ kpe.float()[:, None].transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        i = torch.arange(Sq, device=s.device)[:, None]
+        t = torch.arange(T, device=s.device)[None, :]
+        s = s.masked_fill(t > i + causal_offset, float("-inf"))
+    if indices is not None:
+        s = s.masked_fill(~index_keep_mask(indices, T)[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if zero_empty_rows:
+        p = p.nan_to_num(nan=0.0)
+    return (p @ cf).to(q_latent.dtype)
+
+
+# Bytes per query chunk in the CPU path (scores, or gathered ckv/kpe rows + scores).
+_CPU_CHUNK_BYTES = 64 * 2**20
+
+
+def cpu_forward(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
+                zero_empty_rows: bool = False) -> torch.Tensor:
+    """CPU path: exact softmax chunked over queries; gathers the selected rows when indices are given."""
+    check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    B, H, Sq, R = q_latent.shape
+    P, T = q_pe.shape[3], ckv.shape[1]
+    dev = q_latent.device
+    out = torch.empty((B, H, Sq, R), dtype=q_latent.dtype, device=dev)
+    if indices is None:
+        cf = ckv.float()[:, None]  # (B, 1, T, R)
+        pf = kpe.float()[:, None]  # (B, 1, T, P)
+        per_row = B * H * T * 4 * 3  # mask, scores, probabilities
+    else:
+        topk = indices.shape[2]
+        bidx = torch.arange(B, device=dev)[:, None, None]
+        per_row = B * topk * 4 * (R + P + 3 * H)  # gathered ckv, kpe; mask, scores, probabilities
+    chunk = max(1, min(Sq, _CPU_CHUNK_BYTES // max(1, per_row)))
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        ql = q_latent[:, :, i0:i1].float()
+        qp = q_pe[:, :, i0:i1].float()
+        rows = torch.arange(i0, i1, device=dev)
+        if indices is None:
+            s = (ql @ cf.transpose(-1, -2) + qp @ pf.transpose(-1, -2)) * scale  # (B, H, c, T)
+            keep = None
+            if causal:
+                keep = (torch.arange(T, device=dev)[None, :] <= rows[:, None] + causal_offset)[None, None]
+            if mask is not None:
+                mc = mask.expand(B, H, Sq, T)[:, :, i0:i1]
+                if mc.dtype == torch.bool:
+                    keep = mc if keep is None else keep & mc
+                else:
+                    s = s + mc.float()
+        else:
+            idx = indices[:, i0:i1].long()  # (B, c, TOPK)
+            ok = (idx >= 0) & (idx < T)
+            if causal:
+                ok = ok & (idx <= rows[None, :, None] + causal_offset)
+            idx = torch.where(ok, idx, 0)
+            cg = ckv[bidx, idx].float()  # (B, c, TOPK, R)
+            pg = kpe[bidx, idx].float()  # (B, c, TOPK, P)
+            s = (torch.einsum("bhcr,bctr->bhct", ql, cg) + torch.einsum("bhcp,bctp->bhct", qp, pg)) * scale
+            keep = ok[:, None]  # (B, 1, c, TOPK)
+            if mask is not None:
+                mg = gather_mask(mask, (B, H, Sq, T), i0, i1, idx)
+                if mg.dtype == torch.bool:
+                    keep = keep & mg
+                else:
+                    s = s + mg.float()
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if zero_empty_rows:
+            p = p.nan_to_num(nan=0.0)
+        if indices is None:
+            o = p @ cf
+        else:
+            o = torch.einsum("bhct,bctr->bhcr", p, cg)
+        out[:, :, i0:i1] = o.to(out.dtype)
+    return out

@@ -1,0 +1,426 @@
+"""Routed-experts MoE (grouped GEMM): out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
+
+Shapes: x (T, H); topk_ids (T, K) int32/int64; topk_weights (T, K) float32 or x.dtype;
+w_gate, w_up (E, I, H); w_down (E, H, I). Expert e computes
+`down_e(silu(x @ w_gate[e].T) * (x @ w_up[e].T))`. The output is (T, H), contiguous, in x.dtype.
+w_gate/w_up may be strided views (e.g. the two halves of one (E, 2I, H) gate_up tensor): every
+weight is read through its own strides and never copied.
+
+Weights are x.dtype, or float8_e4m3fn (all three alike) with float32 block scales
+s_gate/s_up (E, ceil(I/block_n), ceil(H/block_k)) and s_down (E, ceil(H/block_n), ceil(I/block_k)):
+real w[e, n, k] = w8[e, n, k].float() * s[e, n // block_n, k // block_k] (DeepSeek-style 128x128
+block FP8). FP8 tiles are dequantised in registers; activations stay in x.dtype (W8A16).
+
+Numerics (those of the eager per-expert loop this replaces): gate and up accumulate in float32,
+h = silu(g) * u is rounded once to x.dtype, the down GEMM accumulates in float32, and the routing
+weight multiply and the sum over K are float32, rounded once to x.dtype at the end.
+
+Expert ids outside [0, E) cannot be checked without a host sync: `launch` does not check them and
+its kernels skip such (token, k) pairs (they contribute zero); `cpu_forward` and `reference`,
+which sync anyway, raise KernelInputError for them.
+
+Three implementations of the same function:
+- `launch`: two Triton kernels over token rows sorted by expert (`align_by_expert`);
+- `cpu_forward`: the CPU path, a host loop over the experts that received tokens;
+- `reference`: dense float32 math over every expert, for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check, check_float
+
+NAME = "moe"
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+# Suggested launch rows (the lead wires them into lowering/kernel_configs.py). BLOCK_M tiles the
+# sorted (token, k) rows, BLOCK_N a GEMM's output dim, BLOCK_K its reduction dim; with FP8
+# weights BLOCK_N/BLOCK_K are clamped to block_n/block_k so one scale covers a whole tile.
+DEFAULT_CONFIGS = {
+    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    # kernel 1 holds two accumulators (gate and up): 64x64 tiles keep it within registers, and
+    # 3 stages x (64x64 + 2 x 64x64) x 2 bytes = 72 KB of shared memory fits Ada and Hopper.
+    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+}
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _w_tile(W, base_w, offs_n, offs_k, n_dim, k_dim, stride_wn, stride_wk):
+    """A (BLOCK_K, BLOCK_N) tile of w[e].T, as stored (FP8 or x.dtype)."""
+    return tl.load(W + base_w + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                   mask=(offs_n[None, :] < n_dim) & (offs_k[:, None] < k_dim), other=0.0)
+
+
+@triton.jit
+def _scale(S, base_s, n0, k0, bn, bk, stride_sn, stride_sk):
+    """The one block scale covering a whole tile (BLOCK_N | bn and BLOCK_K | bk, see `launch`)."""
+    return tl.load(S + base_s + (n0 // bn) * stride_sn + (k0 // bk) * stride_sk)
+
+
+@triton.jit
+def _moe_gate_up(
+    X, W_G, W_U, S_G, S_U, SORTED, EXPERT, Hb,
+    num_pairs, top_k, num_experts, hidden, inter, bn, bk,
+    stride_xt, stride_xh,
+    stride_ge, stride_gn, stride_gk,
+    stride_ue, stride_un, stride_uk,
+    stride_sge, stride_sgn, stride_sgk,
+    stride_sue, stride_sun, stride_suk,
+    stride_hm, stride_hn,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """h[rows of tile m, cols of tile n] = silu(x_rows @ w_gate[e].T) * (x_rows @ w_up[e].T)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(EXPERT + pid_m).to(tl.int64)
+    if e >= num_experts:  # a tile past the padded end (the grid is a static upper bound)
+        return
+    offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SORTED + offs_r).to(tl.int64)
+    row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
+    token = tl.where(row_ok, pair // top_k, 0)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    x_rows = X + token[:, None] * stride_xt
+    base_g = e * stride_ge
+    base_u = e * stride_ue
+    base_sg = e * stride_sge
+    base_su = e * stride_sue
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_rows + offs_k[None, :] * stride_xh,
+                     mask=row_ok[:, None] & (offs_k[None, :] < hidden), other=0.0)
+        wg = _w_tile(W_G, base_g, offs_n, offs_k, inter, hidden, stride_gn, stride_gk)
+        wu = _w_tile(W_U, base_u, offs_n, offs_k, inter, hidden, stride_un, stride_uk)
+        if FP8:
+            # e4m3 -> fp16/bf16/fp32 is exact, so the dot on raw FP8 values times the tile's one
+            # scale equals the dot on dequantised weights up to float32 accumulation order
+            sg = _scale(S_G, base_sg, n0, k0, bn, bk, stride_sgn, stride_sgk)
+            su = _scale(S_U, base_su, n0, k0, bn, bk, stride_sun, stride_suk)
+            acc_g += _dot(xt, wg.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sg
+            acc_u += _dot(xt, wu.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * su
+        else:
+            acc_g += _dot(xt, wg, DOT_PRECISION, DOT_UPCAST)
+            acc_u += _dot(xt, wu, DOT_PRECISION, DOT_UPCAST)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    # h is stored by sorted row, so kernel 2 reads one expert's rows contiguously
+    tl.store(Hb + offs_r[:, None] * stride_hm + offs_n[None, :] * stride_hn, h.to(Hb.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n[None, :] < inter))
+
+
+@triton.jit
+def _moe_down(
+    Hb, W_D, S_D, SORTED, EXPERT, TW, OUT,
+    num_pairs, top_k, num_experts, hidden, inter, bn, bk,
+    stride_hm, stride_hn,
+    stride_de, stride_dn, stride_dk,
+    stride_sde, stride_sdn, stride_sdk,
+    stride_tw_t, stride_tw_k,
+    stride_op, stride_oh,
+    FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """out_pairs[pair, cols of tile n] = topk_weight[pair] * (h[row] @ w_down[e].T), in float32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(EXPERT + pid_m).to(tl.int64)
+    if e >= num_experts:
+        return
+    offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SORTED + offs_r).to(tl.int64)
+    row_ok = pair < num_pairs
+    pair = tl.where(row_ok, pair, 0)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    h_rows = Hb + offs_r[:, None] * stride_hm
+    base_d = e * stride_de
+    base_sd = e * stride_sde
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_rows + offs_k[None, :] * stride_hn,
+                     mask=row_ok[:, None] & (offs_k[None, :] < inter), other=0.0)
+        wd = _w_tile(W_D, base_d, offs_n, offs_k, hidden, inter, stride_dn, stride_dk)
+        if FP8:
+            sd = _scale(S_D, base_sd, n0, k0, bn, bk, stride_sdn, stride_sdk)
+            acc += _dot(ht, wd.to(Hb.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sd
+        else:
+            acc += _dot(ht, wd, DOT_PRECISION, DOT_UPCAST)
+    rw = tl.load(TW + (pair // top_k) * stride_tw_t + (pair % top_k) * stride_tw_k,
+                 mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    tl.store(OUT + pair[:, None] * stride_op + offs_n[None, :] * stride_oh, acc,
+             mask=row_ok[:, None] & (offs_n[None, :] < hidden))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _is_pow2_at_least(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and v & (v - 1) == 0
+
+
+def _shape_ok(name: str, t, expected: tuple) -> None:
+    check(isinstance(t, torch.Tensor), NAME, f"{name} must be a tensor, got {type(t).__name__}")
+    check(tuple(t.shape) == expected, NAME, f"{name} has shape {tuple(t.shape)}, expected {expected}")
+
+
+def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
+                 block_n: int = 128, block_k: int = 128) -> None:
+    """Raise KernelInputError unless the inputs are ones every implementation supports.
+
+    Expert ids are not range-checked here (that needs a host sync): see the module docstring."""
+    check_float(NAME, "x", x)
+    check(x.dim() == 2, NAME, f"x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    T, H = x.shape
+    check(H >= 1, NAME, "x has hidden size 0")
+    check(isinstance(topk_ids, torch.Tensor), NAME, f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+    check(topk_ids.dim() == 2, NAME, f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}")
+    check(topk_ids.dtype in (torch.int32, torch.int64), NAME,
+          f"topk_ids has dtype {topk_ids.dtype}; expert ids must be int32 or int64")
+    check(topk_ids.shape[0] == T, NAME, f"topk_ids has {topk_ids.shape[0]} rows, expected {T} (x's tokens)")
+    K = topk_ids.shape[1]
+    check(isinstance(topk_weights, torch.Tensor), NAME,
+          f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape), NAME,
+          f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)} (topk_ids' shape)")
+    check(topk_weights.dtype in (torch.float32, x.dtype), NAME,
+          f"topk_weights has dtype {topk_weights.dtype}; expected float32 or x's dtype {x.dtype}")
+
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        check(isinstance(w, torch.Tensor), NAME, f"{name} must be a tensor, got {type(w).__name__}")
+        check(w.dim() == 3, NAME, f"{name} must be 3-D (experts, out, in), got shape {tuple(w.shape)}")
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    check(E >= 1 and I >= 1, NAME, f"w_gate has shape {tuple(w_gate.shape)}: needs at least one expert and I >= 1")
+    check(w_up.shape[0] == E and w_down.shape[0] == E, NAME,
+          f"expert counts differ: w_gate {E}, w_up {w_up.shape[0]}, w_down {w_down.shape[0]}")
+    _shape_ok("w_gate", w_gate, (E, I, H))
+    _shape_ok("w_up", w_up, (E, I, H))
+    _shape_ok("w_down", w_down, (E, H, I))
+    check(1 <= K <= E, NAME, f"top_k = {K} (topk_ids' second dim) must be in 1..{E} (the number of experts)")
+
+    dtypes = {w_gate.dtype, w_up.dtype, w_down.dtype}
+    check(len(dtypes) == 1, NAME,
+          f"w_gate, w_up, w_down dtypes differ: {w_gate.dtype}, {w_up.dtype}, {w_down.dtype}")
+    wdt = w_gate.dtype
+    fp8 = wdt in FP8_DTYPES
+    check(fp8 or wdt == x.dtype, NAME,
+          f"weight dtype {wdt} unsupported with x {x.dtype}: weights must be x's dtype or FP8 "
+          f"(supported FP8 formats: {', '.join(str(d) for d in FP8_DTYPES)})")
+    check(_is_pow2_at_least(block_n, 16) and _is_pow2_at_least(block_k, 16), NAME,
+          f"block_n/block_k must be powers of two >= 16, got {block_n!r}/{block_k!r}")
+    scales = (("s_gate", s_gate, I, H), ("s_up", s_up, I, H), ("s_down", s_down, H, I))
+    given = [s is not None for _, s, _, _ in scales]
+    if not fp8:
+        check(not any(given), NAME,
+              f"block scales given for {wdt} weights; scales are only for FP8 weights")
+    else:
+        missing = [n for (n, _, _, _), g in zip(scales, given) if not g]
+        check(not missing, NAME, f"FP8 weights need all of s_gate, s_up, s_down; missing {', '.join(missing)}")
+        for name, s, n_dim, k_dim in scales:
+            check(isinstance(s, torch.Tensor), NAME, f"{name} must be a tensor, got {type(s).__name__}")
+            check(s.dtype == torch.float32, NAME, f"{name} has dtype {s.dtype}; block scales must be float32")
+            _shape_ok(name, s, (E, _cdiv(n_dim, block_n), _cdiv(k_dim, block_k)))
+    dev = x.device
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate),
+                    ("w_up", w_up), ("w_down", w_down), ("s_gate", s_gate), ("s_up", s_up), ("s_down", s_down)):
+        check(t is None or t.device == dev, NAME, f"{name} is on {t.device if t is not None else None}, x on {dev}")
+
+
+def _check_ids_in_range(topk_ids, num_experts: int) -> None:
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        check(lo >= 0 and hi < num_experts, NAME,
+              f"expert ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """A static bound on the BLOCK_M tiles `align_by_expert` produces.
+
+    sum_e ceil(c_e / M) <= (sum_e c_e + n_nonempty (M - 1)) / M, with at most min(E, T*K) experts
+    non-empty; never more than ceil(T*K / M) + E, and tight for decode (few pairs, many experts)."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, k) pairs by expert, padding each expert's run to a multiple of `block_m`.
+
+    Returns (sorted_pair_ids, expert_of_block, num_pairs_padded):
+    - sorted_pair_ids (max_tiles * block_m,) int32/int64: pair ids t*K + k, stable-sorted by expert;
+      padding rows (each expert's tail, and everything past the end) hold the sentinel T*K;
+    - expert_of_block (max_tiles,) int64: the expert of each tile, `num_experts` past the end;
+    - num_pairs_padded: a 1-element tensor, the used length of sorted_pair_ids.
+    All torch ops on topk_ids' device, no host synchronisation (shapes depend only on T, K, E).
+    Pairs whose id is outside [0, E) are dropped (no tile holds them).
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    P = flat.numel()
+    n_tiles = max_tiles(P, num_experts, block_m)
+    # ids out of range go to an extra bucket E that gets no tiles
+    ids = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount would sync on CUDA (for its max)
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    ends_padded = torch.cumsum(padded, 0)
+    starts_padded = torch.cat([ends_padded.new_zeros(1), ends_padded[:num_experts - 1]])
+    starts = torch.cumsum(counts, 0) - counts  # start of each bucket in the unpadded sorted order
+
+    sorted_ids, order = torch.sort(ids, stable=True)
+    rank = torch.arange(P, device=device) - starts[sorted_ids]
+    n_rows = n_tiles * block_m
+    # pairs in the out-of-range bucket land on one extra trash slot, cut off below
+    starts_ext = torch.cat([starts_padded, starts_padded.new_full((1,), n_rows)])
+    dest = torch.where(sorted_ids < num_experts, starts_ext[sorted_ids] + rank, n_rows)
+    pair_dtype = torch.int32 if P < 2**31 - 1 else torch.long
+    sorted_pair_ids = torch.full((n_rows + 1,), P, dtype=pair_dtype, device=device)
+    sorted_pair_ids.scatter_(0, dest, order.to(pair_dtype))
+    sorted_pair_ids = sorted_pair_ids[:n_rows]
+
+    tile_starts = torch.arange(n_tiles, device=device, dtype=torch.long) * block_m
+    expert_of_block = torch.searchsorted(ends_padded, tile_starts, right=True)  # == E past the end
+    return sorted_pair_ids, expert_of_block, ends_padded[-1:]
+
+
+def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tuple[int, int, int]:
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    for key, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk)):
+        check(_is_pow2_at_least(v, 16), NAME, f"config {key} must be a power of two >= 16 (tl.dot), got {v!r}")
+    if fp8:  # one scale per tile: tiles must not straddle scale blocks (all powers of two)
+        bn, bk = min(bn, block_n), min(bk, block_k)
+    return bm, bn, bk
+
+
+def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
+           block_n: int = 128, block_k: int = 128, *, config: dict) -> torch.Tensor:
+    """Run the two Triton kernels. `config`: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    fp8 = w_gate.dtype in FP8_DTYPES
+    BM, BN, BK = _clamped_blocks(config, fp8, block_n, block_k)
+    if fp8 and x.device.type == "cuda":
+        # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89: compiling would fail there
+        cap = torch.cuda.get_device_capability(x.device)
+        check(cap >= (8, 9), NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
+              f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
+    if T == 0:
+        return torch.empty((0, H), dtype=x.dtype, device=x.device)
+    P = T * K
+    sorted_pairs, expert_of_block, _ = align_by_expert(topk_ids, E, BM)
+    n_tiles = expert_of_block.numel()
+    h = torch.empty((n_tiles * BM, I), dtype=x.dtype, device=x.device)
+    # pairs with an out-of-range expert are never written: zeros make them contribute nothing
+    out_pairs = torch.zeros((P, H), dtype=torch.float32, device=x.device)
+    if not fp8:  # unused pointers: any tensor, zero strides
+        s_gate = s_up = s_down = w_gate
+        sg_str = su_str = sd_str = (0, 0, 0)
+    else:
+        sg_str, su_str, sd_str = s_gate.stride(), s_up.stride(), s_down.stride()
+    common = dict(
+        FP8=fp8, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits;
+        # under the interpreter they are upcast first (the GPU path is unaffected).
+        DOT_UPCAST=_interpreted() and x.dtype == torch.bfloat16,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )
+    _moe_gate_up[(n_tiles, triton.cdiv(I, BN))](
+        x, w_gate, w_up, s_gate, s_up, sorted_pairs, expert_of_block, h,
+        P, K, E, H, I, block_n, block_k,
+        *x.stride(), *w_gate.stride(), *w_up.stride(), *sg_str, *su_str, *h.stride(),
+        **common,
+    )
+    _moe_down[(n_tiles, triton.cdiv(H, BN))](
+        h, w_down, s_down, sorted_pairs, expert_of_block, topk_weights, out_pairs,
+        P, K, E, H, I, block_n, block_k,
+        *h.stride(), *w_down.stride(), *sd_str, *topk_weights.stride(), *out_pairs.stride(),
+        **common,
+    )
+    # the sum over K in a fixed order (no atomics): deterministic
+    return out_pairs.view(T, K, H).sum(dim=1).to(x.dtype)
+
+
+def dequantize(w: torch.Tensor, s: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
+    """float32 weights from (..., N, K) FP8 values and (..., ceil(N/bn), ceil(K/bk)) block scales."""
+    if s is None:
+        return w.float()
+    n, k = w.shape[-2], w.shape[-1]
+    full = s.repeat_interleave(block_n, dim=-2)[..., :n, :].repeat_interleave(block_k, dim=-1)[..., :k]
+    return w.float() * full
+
+
+def reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
+              block_n: int = 128, block_k: int = 128) -> torch.Tensor:
+    """Dense float32 math over every expert (all weights dequantised at once): the oracle for tests."""
+    check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
+    E = w_gate.shape[0]
+    _check_ids_in_range(topk_ids, E)
+    wg = dequantize(w_gate, s_gate, block_n, block_k)
+    wu = dequantize(w_up, s_up, block_n, block_k)
+    wd = dequantize(w_down, s_down, block_n, block_k)
+    xf = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        h = (torch.nn.functional.silu(xf @ wg[e].T) * (xf @ wu[e].T)).to(x.dtype).float()
+        coef = (topk_weights.float() * (topk_ids == e)).sum(dim=1)  # (T,), 0 for tokens not routed here
+        out += coef[:, None] * (h @ wd[e].T)
+    return out.to(x.dtype)
+
+
+def cpu_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
+                block_n: int = 128, block_k: int = 128) -> torch.Tensor:
+    """CPU path: pairs sorted by expert, one expert at a time (FP8 dequantised per expert)."""
+    check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E = w_gate.shape[0]
+    _check_ids_in_range(topk_ids, E)
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out.to(x.dtype)
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat.long(), minlength=E).tolist()
+    rw = topk_weights.reshape(-1).float()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pairs = order[start:start + c]
+        start += c
+        tokens = pairs // K
+        # float32 matmuls: gate/up must not be rounded to x.dtype before silu * up
+        xe = x.index_select(0, tokens).float()
+        g = xe @ dequantize(w_gate[e], None if s_gate is None else s_gate[e], block_n, block_k).T
+        u = xe @ dequantize(w_up[e], None if s_up is None else s_up[e], block_n, block_k).T
+        del xe
+        h = (torch.nn.functional.silu(g, inplace=True).mul_(u)).to(x.dtype).float()
+        del g, u
+        y = h @ dequantize(w_down[e], None if s_down is None else s_down[e], block_n, block_k).T
+        out.index_add_(0, tokens, y.mul_(rw[pairs][:, None]))
+    return out.to(x.dtype)

@@ -1,0 +1,342 @@
+"""Sparse (top-k) attention, DeepSeek DSA style: each query attends only to its selected keys.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), Hq a multiple of Hkv (GQA:
+query head h reads kv head h // (Hq // Hkv)), indices (B, Sq, TOPK) int32 or int64, shared by
+all heads (as DSA's indexer produces them). The function is dense attention (see
+kernels/attention.py) with one more condition: key j is kept for query i only if j appears in
+indices[b, i, :]. An index < 0 or >= Sk is an empty slot (DeepSeek pads with -1).
+Indices in a row are assumed distinct (they come from topk); a duplicate index is NOT
+deduplicated by `launch`/`cpu_forward`: it counts twice in the softmax (weight doubled).
+`reference` builds a set (scatter), so it counts once: they agree only on distinct indices.
+
+Other rules as in dense attention: `mask` (optional, broadcastable to (B, Hq, Sq, Sk)) is a
+float added to the scaled scores or a bool where True keeps, and it is read only at the
+selected positions; `causal` keeps key j for query i iff j <= i + causal_offset; a query row
+with no key kept gives NaN, or 0 with `zero_empty_rows`. D and Dv up to 256, may differ.
+Output (B, Hq, Sq, Dv), contiguous, in q's dtype; accumulation float32.
+
+Work and memory are O(Sq x TOPK), never O(Sq x Sk):
+- `_sparse_attention_fwd`: Triton kernel. One program per (query row i, batch, kv head,
+  block of BLOCK_H query heads of that kv group): the row's TOPK indices are walked in blocks
+  of BLOCK_N, the K/V rows (and mask values) at those indices are gathered once and shared by
+  all the group's heads in the program (the head tile is padded to >= 16 rows for tl.dot);
+  online softmax in float32.
+- `cpu_forward`: torch gathers, chunked over queries so one chunk's gathered K/V stay
+  bounded (about 64 MiB);
+- `reference`: the index set scattered into a dense keep-mask, plain float32 math (tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check, check_float, next_pow2
+
+NAME = "sparse_attention"
+MAX_HEAD_DIM = 256
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Suggested launch rows (the lead wires them into lowering/kernel_configs.py).
+# BLOCK_H: query heads of one kv group per program (power of two >= 16; the tile is
+# min(BLOCK_H, max(16, next_pow2(group))) rows); BLOCK_N: selected keys per step (>= 16).
+DEFAULT_CONFIGS = {
+    "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16},
+    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+}
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _sparse_attention_fwd(
+    Q, K, V, IDX, M, O,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ib, stride_im, stride_it,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_kv_heads, group, head_blocks, seq_k, topk, head_d, head_dv,
+    scale, causal_offset,
+    MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
+    CAUSAL: tl.constexpr,
+    ZERO_EMPTY_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,  # see `launch`
+):
+    # 64-bit row, head and batch offsets: at long contexts seq x stride passes 2**31 elements
+    i = tl.program_id(0).to(tl.int64)  # query row
+    pid = tl.program_id(1)
+    hb = pid % head_blocks
+    bk = pid // head_blocks
+    hk = bk % num_kv_heads
+    b = (bk // num_kv_heads).to(tl.int64)
+
+    offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # position inside the kv group
+    row_ok = offs_g < group
+    heads = (hk * group + offs_g).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = tl.load(Q + b * stride_qb + i * stride_qm + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < head_d), other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    i_base = IDX + b * stride_ib + i * stride_im
+    m_base = M + b * stride_mb + i * stride_mm + heads[:, None] * stride_mh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+
+    for start in range(0, topk, BLOCK_N):
+        offs_t = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(i_base + offs_t * stride_it, mask=offs_t < topk, other=-1).to(tl.int64)
+        # out-of-range slots (DeepSeek's -1 padding) and causally hidden keys are never loaded
+        col_ok = (idx >= 0) & (idx < seq_k)
+        if CAUSAL:
+            col_ok = col_ok & (idx <= i + causal_offset)
+        idx = tl.where(col_ok, idx, 0)
+
+        kt = tl.load(k_base + idx[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
+        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        keep = col_ok[None, :] & row_ok[:, None]
+        if MASK_KIND == 1:
+            mval = tl.load(m_base + idx[None, :] * stride_mn, mask=keep, other=0.0)
+            s = s + mval.to(tl.float32)
+        if MASK_KIND == 2:
+            mkeep = tl.load(m_base + idx[None, :] * stride_mn, mask=keep, other=0)
+            keep = keep & (mkeep != 0)
+        s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows with nothing kept so far: subtract 0, not -inf, so exp gives 0 and not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + idx[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < head_dv), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # a row with no key kept: 0/0 = NaN as in eager softmax, or 0 as SDPA gives
+    l_div = tl.where(row_ok, l_i, 1.0)
+    if ZERO_EMPTY_ROWS:
+        l_div = tl.where(l_div == 0.0, 1.0, l_div)
+    out = acc / l_div[:, None]
+    tl.store(O + b * stride_ob + i * stride_om + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_indices(kernel: str, indices, B: int, Sq: int, device) -> None:
+    """indices must be an integer (B, Sq, TOPK) tensor with TOPK >= 1 (shared with mla_decode)."""
+    check(isinstance(indices, torch.Tensor), kernel,
+          f"indices must be a tensor, got {type(indices).__name__}")
+    check(indices.dtype in INDEX_DTYPES, kernel,
+          f"indices has dtype {indices.dtype}; supported: int32, int64 (the top-k positions)")
+    check(indices.dim() == 3, kernel,
+          f"indices must be 3-D (batch, seq_q, topk), got shape {tuple(indices.shape)}")
+    check(tuple(indices.shape[:2]) == (B, Sq), kernel,
+          f"indices shape {tuple(indices.shape)} does not match (batch, seq_q) = {(B, Sq)}")
+    check(indices.shape[2] >= 1, kernel, "indices has topk = 0; at least one slot is needed (pad with -1)")
+    check(indices.device == device, kernel, "indices is on a different device than q")
+
+
+def check_mask(kernel: str, mask, full_shape: tuple, device) -> None:
+    if mask is None:
+        return
+    check(isinstance(mask, torch.Tensor), kernel, "mask must be a tensor or None")
+    check(mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES, kernel,
+          f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
+    check(mask.device == device, kernel, "mask is on a different device than q")
+    check(mask.dim() <= 4, kernel, f"mask must have at most 4 dims, got {mask.dim()}")
+    try:
+        ok = torch.broadcast_shapes(mask.shape, full_shape) == tuple(full_shape)
+    except RuntimeError:
+        ok = False
+    check(ok, kernel, f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(full_shape)}")
+
+
+def check_scalars(kernel: str, scale, causal, causal_offset, zero_empty_rows) -> None:
+    check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale), kernel,
+          f"scale must be a finite number, got {scale!r}")
+    check(isinstance(causal, bool), kernel, f"causal must be a bool, got {causal!r}")
+    check(isinstance(causal_offset, int) and not isinstance(causal_offset, bool), kernel,
+          f"causal_offset must be an int, got {causal_offset!r}")
+    check(isinstance(zero_empty_rows, bool), kernel, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
+
+
+def check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
+    """Raise KernelInputError unless the inputs are ones every implementation supports."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(NAME, name, t)
+        check(t.dim() == 4, NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    check(q.dtype == k.dtype == v.dtype, NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    check(Bk == B and v.shape[0] == B, NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    check(Dk == D, NAME, f"q and k head dims differ: {D} vs {Dk}")
+    check(tuple(v.shape[1:3]) == (Hkv, Sk), NAME,
+          f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
+    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    check(Sk > 0, NAME, "k and v have no keys (seq 0)")
+    Dv = v.shape[3]
+    check(0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM, NAME,
+          f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
+    check_indices(NAME, indices, B, Sq, q.device)
+    check_mask(NAME, mask, (B, Hq, Sq, Sk), q.device)
+    check_scalars(NAME, scale, causal, causal_offset, zero_empty_rows)
+
+
+def _block(config: dict, key: str) -> int:
+    val = config[key]
+    check(isinstance(val, int) and val >= 16 and val & (val - 1) == 0, NAME,
+          f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
+    return val
+
+
+def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
+           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
+    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages."""
+    check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    topk = indices.shape[2]
+    group = Hq // Hkv
+    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if mask is None:
+        mask_kind, m, mstrides = 0, q, (0, 0, 0, 0)
+    else:
+        mask_kind = 2 if mask.dtype == torch.bool else 1
+        m = mask.expand(B, Hq, Sq, Sk)  # stride 0 on broadcast dims, no copy
+        mstrides = m.stride()
+    # the head tile is padded to 16 rows (tl.dot's minimum) when the group is smaller
+    block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(group)))
+    block_n = _block(config, "BLOCK_N")
+    head_blocks = triton.cdiv(group, block_h)
+    grid = (Sq, B * Hkv * head_blocks)
+    _sparse_attention_fwd[grid](
+        q, k, v, indices, m, out,
+        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, *out.stride(),
+        Hkv, group, head_blocks, Sk, topk, D, Dv,
+        float(scale), int(causal_offset),
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+        BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+        DOT_UPCAST=_interpreted() and q.dtype == torch.bfloat16,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )
+    return out
+
+
+def index_keep_mask(indices: torch.Tensor, Sk: int) -> torch.Tensor:
+    """(B, Sq, TOPK) indices -> (B, Sq, Sk) bool, True where j is one of the row's indices
+    (a set: duplicates collapse; out-of-range slots select nothing)."""
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < Sk)
+    keep = torch.zeros(*idx.shape[:2], Sk + 1, dtype=torch.bool, device=idx.device)
+    keep.scatter_(-1, torch.where(valid, idx, Sk), True)  # slot Sk collects the empty ones
+    return keep[..., :Sk]
+
+
+def _causal_keep(Sq: int, Sk: int, causal_offset: int, device) -> torch.Tensor:
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Sk, device=device)[None, :]
+    return j <= i + causal_offset
+
+
+def reference(q, k, v, indices, mask=None, scale=None, causal=False, causal_offset=0,
+              zero_empty_rows=False) -> torch.Tensor:
+    """Dense float32 math with the index set scattered into a keep-mask: the oracle for tests."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    Sq, Sk = q.shape[2], k.shape[2]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        s = s.masked_fill(~_causal_keep(Sq, Sk, causal_offset, q.device), float("-inf"))
+    s = s.masked_fill(~index_keep_mask(indices, Sk)[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if zero_empty_rows:
+        p = p.nan_to_num(nan=0.0)
+    return (p @ vf).to(q.dtype)
+
+
+# Bytes of gathered K/V (float32) + scores per query chunk in the CPU path.
+_CPU_CHUNK_BYTES = 64 * 2**20
+
+
+def gather_mask(mask, full_shape: tuple, i0: int, i1: int, idx: torch.Tensor) -> torch.Tensor:
+    """The mask values at the selected positions for query rows i0:i1: (B, H, rows, TOPK).
+    `idx` is (B, rows, TOPK), already clamped into range."""
+    B, H = full_shape[0], full_shape[1]
+    m = mask.expand(full_shape)[:, :, i0:i1]  # a view, nothing copied
+    return torch.gather(m, -1, idx[:, None].expand(B, H, *idx.shape[1:]))
+
+
+def cpu_forward(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
+                zero_empty_rows: bool = False) -> torch.Tensor:
+    """CPU path: gather the selected K/V rows per chunk of queries; never an Sq x Sk matrix."""
+    check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    topk = indices.shape[2]
+    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
+    og = out.view(B, Hkv, G, Sq, Dv)
+    qg = q.unflatten(1, (Hkv, G))  # (B, Hkv, G, Sq, D), a view
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, Sk, Hkv, .): gather rows by position
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    per_row = B * topk * 4 * (Hkv * (D + Dv) + 3 * Hq)  # gathered K, V; mask, scores, probabilities
+    chunk = max(1, min(Sq, _CPU_CHUNK_BYTES // max(1, per_row)))
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        idx = indices[:, i0:i1].long()  # (B, c, TOPK)
+        keep = (idx >= 0) & (idx < Sk)
+        if causal:
+            rows = torch.arange(i0, i1, device=q.device)[None, :, None]
+            keep = keep & (idx <= rows + causal_offset)
+        idx = torch.where(keep, idx, 0)
+        kg = kt[bidx, idx].float().permute(0, 3, 1, 2, 4)  # (B, Hkv, c, TOPK, D)
+        vg = vt[bidx, idx].float().permute(0, 3, 1, 2, 4)  # (B, Hkv, c, TOPK, Dv)
+        s = torch.einsum("bhgcd,bhctd->bhgct", qg[:, :, :, i0:i1].float(), kg) * scale
+        keep5 = keep[:, None, None]  # (B, 1, 1, c, TOPK)
+        if mask is not None:
+            mg = gather_mask(mask, (B, Hq, Sq, Sk), i0, i1, idx).unflatten(1, (Hkv, G))
+            if mg.dtype == torch.bool:
+                keep5 = keep5 & mg
+            else:
+                s = s + mg.float()
+        s = s.masked_fill(~keep5, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if zero_empty_rows:
+            p = p.nan_to_num(nan=0.0)
+        og[:, :, :, i0:i1] = torch.einsum("bhgct,bhctv->bhgcv", p, vg).to(q.dtype)
+    return out

@@ -1,0 +1,51 @@
+"""How metainfer captures a model: the Dynamo settings and the model-side switches that keep
+a forward in one graph, so the passes can see whole patterns.
+
+- Data-dependent output shapes (`nonzero`, `torch.where(cond)`) are captured, not graph
+  breaks: DeepSeek's reference MoE loop gathers each expert's tokens that way, and
+  `fuse_moe` needs the whole loop in one graph.
+- Float constants (eps, attention scales) stay Python numbers in the graph.
+- Hugging Face MoE models whose experts run transformers' eager loop (a Python loop over the
+  experts that received tokens: one graph break per expert) are captured through
+  transformers' own `grouped_mm` experts implementation, the same function written with
+  sort + grouped GEMMs; the model is switched back after each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+DYNAMO_CONFIG = dict(specialize_float=True, capture_dynamic_output_shape_ops=True)
+
+HF_EXPERTS_NOTE = ("capture: transformers' eager experts loop breaks the graph once per expert; its experts "
+                   "were captured through transformers' grouped_mm implementation (the same function)")
+
+
+def hf_eager_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` is a transformers model whose MoE experts run the eager loop."""
+    tf = sys.modules.get("transformers")
+    if tf is None or not isinstance(model, tf.PreTrainedModel):
+        return False
+    if getattr(model.config, "_experts_implementation", None) != "eager":
+        return False
+    return any(hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") for m in model.modules())
+
+
+@contextlib.contextmanager
+def capturable(model: torch.nn.Module):
+    """Inside the block the model's forward can be captured as one graph; yields the notes
+    (what was switched) for the report."""
+    notes = []
+    switched = hf_eager_experts(model)
+    if switched:
+        model.set_experts_implementation("grouped_mm")
+        notes.append(HF_EXPERTS_NOTE)
+    try:
+        with torch._dynamo.config.patch(**DYNAMO_CONFIG):
+            yield notes
+    finally:
+        if switched:
+            model.set_experts_implementation("eager")

@@ -1,0 +1,445 @@
+"""A DeepSeek-V3 / V3.2-style decoder in plain PyTorch, written the way day-0 community ports
+(and DeepSeek's own reference inference code) write it: nothing fused, every fallback form in
+the open. This is the code metainfer's DeepSeek passes are meant to find:
+
+- MLA (multi-head latent attention): queries through a low-rank `q_lora_rank` bottleneck; keys
+  and values compressed to a `kv_lora_rank` latent plus one shared rope key. The cache keeps
+  only the latent and the rope key (B, T, kv_lora_rank) + (B, T, qk_rope_head_dim); every step,
+  prefill or decode, decompresses the whole cache with `wkv_b` and attends over full keys and
+  values ("decompress then attend"). Value heads (`v_head_dim`) are narrower than query/key
+  heads (`qk_nope_head_dim + qk_rope_head_dim`).
+- DSA (DeepSeek Sparse Attention, V3.2): a lightning indexer scores every key for every query,
+  keeps the top `index_topk`, and the selection is folded into a dense attention mask
+  (-inf everywhere but the selected keys), then ordinary dense attention runs. Attention is
+  eager matmul/softmax/matmul, or (`attention="sdpa"`) torch's SDPA with V zero-padded to
+  the query head dim and the padding sliced off after, as ports to one-head-dim kernels do.
+- MoE: sigmoid router scores plus a bias correction, group-limited top-k routing, routed
+  experts computed by a loop over the experts (each one gathers its tokens with
+  `torch.where`), plus shared experts; the first `n_dense_layers` layers are dense MLPs.
+- FP8: with `fp8=True` every projection and expert weight is float8_e4m3fn with a
+  `weight_scale_inv` per block of `quant_block` x `quant_block`, used through the fallback
+  "dequantise the weight to the activation dtype, then F.linear".
+
+Configs are data: tiny ones for tests, real-size shapes (DeepSeek-V3 671B, a V3.2 / V4-Flash
+-like shape) for planning; the real ones are far too large to build here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .llama import RMSNorm
+
+
+@dataclass(frozen=True)
+class DeepSeekConfig:
+    vocab_size: int = 129280
+    dim: int = 7168
+    inter_dim: int = 18432  # dense MLP layers
+    moe_inter_dim: int = 2048  # each expert
+    n_layers: int = 61
+    n_dense_layers: int = 3
+    n_heads: int = 128
+    # MoE
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 8
+    n_expert_groups: int = 8
+    n_limited_groups: int = 4
+    route_scale: float = 2.5
+    # MLA
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_theta: float = 10000.0
+    max_seq_len: int = 163840
+    norm_eps: float = 1e-6
+    # DSA (V3.2): 0 indexer heads = dense attention (V3)
+    index_n_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    # FP8 block-quantised weights
+    fp8: bool = False
+    quant_block: int = 128
+    # "eager" (matmul/softmax/matmul) or "sdpa" (V zero-padded to the query head dim, as ports
+    # to kernels that need one head dim write it)
+    attention: str = "eager"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def __post_init__(self):
+        if self.n_routed_experts % self.n_expert_groups:
+            raise ValueError(f"n_routed_experts {self.n_routed_experts} is not divisible by "
+                             f"n_expert_groups {self.n_expert_groups}")
+        if not 1 <= self.n_limited_groups <= self.n_expert_groups:
+            raise ValueError(f"n_limited_groups must be in 1..n_expert_groups, got {self.n_limited_groups}")
+        per_group = self.n_routed_experts // self.n_expert_groups
+        if not 1 <= self.n_activated_experts <= self.n_limited_groups * per_group:
+            raise ValueError(f"n_activated_experts {self.n_activated_experts} must be in 1.."
+                             f"{self.n_limited_groups * per_group} (the experts of the limited groups)")
+        if self.qk_rope_head_dim % 2 or (self.index_n_heads and self.index_head_dim < self.qk_rope_head_dim):
+            raise ValueError("qk_rope_head_dim must be even and at most index_head_dim")
+        if self.attention not in ("eager", "sdpa"):
+            raise ValueError(f"attention must be 'eager' or 'sdpa', got {self.attention!r}")
+        if self.quant_block < 16 or self.quant_block & (self.quant_block - 1):
+            raise ValueError(f"quant_block must be a power of two >= 16, got {self.quant_block}")
+
+
+_TINY = dict(vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_dense_layers=1, n_heads=4,
+             n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=4,
+             n_limited_groups=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=12, max_seq_len=512)
+
+CONFIGS = {
+    # tests: 2 layers (one dense, one MoE), 4 heads, q/k head 24, v head 12, 8 experts top-2
+    "deepseek-tiny": DeepSeekConfig(**_TINY),
+    # the same with DSA: 2 indexer heads, top-8 keys per query
+    "deepseek-v32-tiny": DeepSeekConfig(**_TINY, index_n_heads=2, index_head_dim=16, index_topk=8),
+    # FP8 weights in 32x32 blocks (hidden 64: two blocks per row), with DSA
+    "deepseek-v32-tiny-fp8": DeepSeekConfig(**_TINY, index_n_heads=2, index_head_dim=16, index_topk=8,
+                                            fp8=True, quant_block=32),
+    # real shapes, for planning; too big to build here.
+    # DeepSeek-V3 671B (config.json of deepseek-ai/DeepSeek-V3), FP8 128x128 blocks
+    "deepseek-v3": DeepSeekConfig(fp8=True),
+    # V3.2-Exp: V3's shape plus the DSA indexer (64 heads of 128, top-2048)
+    "deepseek-v32": DeepSeekConfig(fp8=True, index_n_heads=64, index_head_dim=128, index_topk=2048),
+    # V4-Flash-like: transformers' DeepseekV4Config defaults (hidden 4096, 43 layers, 64 heads,
+    # q_lora 1024, 256 experts top-6 of 2048, indexer 64x128 top-512, 1M context) expressed in
+    # this V3.2 architecture (V4's compressed attention and hyper-connections are not modelled)
+    "deepseek-v4-flash-like": DeepSeekConfig(dim=4096, inter_dim=2048 * 6, moe_inter_dim=2048, n_layers=43,
+                                             n_dense_layers=0, n_heads=64, n_activated_experts=6,
+                                             route_scale=1.5, q_lora_rank=1024, max_seq_len=1 << 20,
+                                             index_n_heads=64, index_head_dim=128, index_topk=512, fp8=True),
+}
+
+
+# ---- FP8 block-quantised linear layers: the fallback form ---------------------------------
+
+def weight_dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) float8 weight -> `dtype`: each block x block tile times its scale."""
+    n, k = w.shape
+    s = scale_inv.repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return (w.to(torch.float32) * s).to(dtype)
+
+
+class Linear(nn.Module):
+    """nn.Linear without bias whose weight may be FP8 with per-block scales."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        self.block = 0  # > 0 once quantised
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block:
+            return F.linear(x, weight_dequant(self.weight, self.weight_scale_inv, self.block, x.dtype))
+        return F.linear(x, self.weight)
+
+
+# ---- rope (interleaved pairs, as DeepSeek's complex-number form) ---------------------------
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, S, H, P); cos/sin (S, P/2): pairs (x0, x1), (x2, x3), ... each rotated by one angle
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# ---- attention: MLA with an optional DSA indexer -------------------------------------------
+
+class Indexer(nn.Module):
+    """DSA's lightning indexer: index_score[b, s, t] = sum_h w[b, s, h] * relu(q[b, s, h] . k[b, t]);
+    returns the top-k key positions per query."""
+
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(cfg.dim, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.k_cache: torch.Tensor | None = None
+
+    def forward(self, x, qr, cos, sin, start_pos, mask):
+        b, s, _ = x.shape
+        end = (start_pos or 0) + s
+        q = self.wq_b(qr).view(b, s, self.n_heads, self.head_dim)
+        q_pe, q_nope = torch.split(q, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q = torch.cat([apply_rope(q_pe, cos, sin), q_nope], dim=-1)
+        k = self.k_norm(self.wk(x))
+        k_pe, k_nope = torch.split(k, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        k = torch.cat([apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2), k_nope], dim=-1)
+        if start_pos is not None:
+            self.k_cache[:b, start_pos:end] = k
+            k = self.k_cache[:b, :end]
+        weights = self.weights_proj(x) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        score = torch.einsum("bshd,btd->bsht", q.float(), k.float()).relu()
+        index_score = (score * weights.float().unsqueeze(-1)).sum(dim=2)  # (B, S, T)
+        if mask is not None:
+            index_score = index_score + mask
+        return index_score.topk(min(self.topk, end), dim=-1)[1]  # (B, S, topk)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.qk_head_dim)
+        self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.wo = Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim)
+        self.softmax_scale = cfg.qk_head_dim ** -0.5
+        self.sdpa = cfg.attention == "sdpa"
+        self.indexer = Indexer(cfg) if cfg.index_n_heads else None
+        self.kv_cache: torch.Tensor | None = None  # (B, max_len, kv_lora_rank): the latent
+        self.pe_cache: torch.Tensor | None = None  # (B, max_len, qk_rope_head_dim)
+
+    def forward(self, x, cos, sin, start_pos: int | None, mask):
+        # start_pos None: a standalone sequence, the cache is neither read nor written
+        b, s, _ = x.shape
+        past = 0 if start_pos is None else start_pos
+        end = past + s
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(b, s, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = torch.split(q, [self.nope, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
+        kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_norm(kv)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)
+        if start_pos is not None:  # the cache keeps the compressed latent and the rope key
+            self.kv_cache[:b, start_pos:end] = kv
+            self.pe_cache[:b, start_pos:end] = k_pe
+            kv, k_pe = self.kv_cache[:b, :end], self.pe_cache[:b, :end]
+        # decompress every cached token, then attend over full keys and values
+        kv = self.wkv_b(kv).view(b, end, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S|T, D)
+        if self.indexer is not None:  # DSA: the top-k selection folded into the mask
+            topk = self.indexer(x, qr, cos, sin, start_pos, mask)
+            index_mask = torch.full((b, s, end), float("-inf"), device=x.device).scatter_(-1, topk, 0)
+            mask = index_mask if mask is None else index_mask + mask
+            mask = mask.unsqueeze(1)  # (B, 1, S, T)
+        if self.sdpa:  # SDPA wants one head dim: pad V to the query's, drop the padding after
+            v = F.pad(v, [0, q.shape[-1] - self.v_dim])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
+            out = out[..., :self.v_dim]
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale  # (B, H, S, T)
+            if mask is not None:
+                scores = scores + mask
+            scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+            out = torch.matmul(scores, v)  # (B, H, S, v_head_dim)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+# ---- feed-forward: dense MLP and MoE -------------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, inter_dim), Linear(inter_dim, dim), Linear(dim, inter_dim)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid scores, bias-corrected for the choice only, top groups by their best two
+    experts, then the top-k experts of those groups; weights renormalised and scaled."""
+
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.topk, self.n_groups, self.topk_groups = cfg.n_activated_experts, cfg.n_expert_groups, cfg.n_limited_groups
+        self.route_scale = cfg.route_scale
+        self.weight = nn.Parameter(torch.randn(cfg.n_routed_experts, cfg.dim) * cfg.dim ** -0.5)
+        self.register_buffer("bias", torch.randn(cfg.n_routed_experts) * 0.1, persistent=True)
+
+    def forward(self, x):
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        original = scores
+        scores = scores + self.bias
+        groups = scores.view(x.size(0), self.n_groups, -1)
+        group_scores = groups.topk(min(2, groups.size(-1)), dim=-1)[0].sum(dim=-1)  # (T, G)
+        keep = group_scores.topk(self.topk_groups, dim=-1)[1]
+        group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        scores = groups.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = scores.topk(self.topk, dim=-1)[1]  # (T, k)
+        weights = original.gather(1, indices)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
+        return weights.type_as(x), indices
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.gate = Gate(cfg)
+        # routed experts' weights stacked per projection: w1 gate, w3 up (E, I, dim), w2 down (E, dim, I)
+        E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+        self.w1 = nn.Parameter(torch.randn(E, I, D) * D ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, I, D) * D ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, D, I) * I ** -0.5)
+        self.block = 0  # > 0 once quantised: w*_scale_inv (E, ceil(N/block), ceil(K/block))
+        self.shared_experts = MLP(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
+
+    def expert_weight(self, name: str, i: int, dtype) -> torch.Tensor:
+        w = getattr(self, name)[i]
+        if self.block:
+            return weight_dequant(w, getattr(self, f"{name}_scale_inv")[i], self.block, dtype)
+        return w
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        weights, indices = self.gate(x)
+        y = torch.zeros_like(x)
+        for i in range(self.n_experts):  # the fallback: one expert at a time
+            idx, top = torch.where(indices == i)
+            h = x[idx]
+            h = F.silu(F.linear(h, self.expert_weight("w1", i, x.dtype))) * F.linear(h, self.expert_weight("w3", i, x.dtype))
+            y.index_add_(0, idx, F.linear(h, self.expert_weight("w2", i, x.dtype)) * weights[idx, top, None])
+        return (y + self.shared_experts(x)).view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MLA(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MLP(cfg.dim, cfg.inter_dim) if layer < cfg.n_dense_layers else MoE(cfg)
+
+    def forward(self, x, cos, sin, start_pos, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class DeepSeek(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def rope(self, start: int, end: int, device):
+        d, theta = self.config.qk_rope_head_dim, self.config.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        freqs = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq)
+        return freqs.cos(), freqs.sin()  # (S, P/2), float32
+
+    def setup_cache(self, batch: int, max_len: int) -> None:
+        """Allocate each layer's latent cache (and indexer key cache) for `batch` x `max_len`."""
+        cfg = self.config
+        if not 0 < max_len <= cfg.max_seq_len:
+            raise ValueError(f"cache length {max_len} must be in 1..max_seq_len ({cfg.max_seq_len})")
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
+        for layer in self.layers:
+            a = layer.attn
+            a.kv_cache = torch.zeros(batch, max_len, cfg.kv_lora_rank, dtype=dtype, device=device)
+            a.pe_cache = torch.zeros(batch, max_len, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+            if a.indexer is not None:
+                a.indexer.k_cache = torch.zeros(batch, max_len, cfg.index_head_dim, dtype=dtype, device=device)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
+        """Logits (B, S, vocab). With `start_pos` the tokens continue the cached sequence."""
+        b, s = tokens.shape
+        past = 0 if start_pos is None else start_pos
+        if past + s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {past + s} exceeds max_seq_len {self.config.max_seq_len}")
+        if start_pos is not None:
+            cache = self.layers[0].attn.kv_cache
+            if cache is None:
+                raise ValueError("start_pos given but no cache: call setup_cache(batch, max_len) first")
+            if b > cache.shape[0] or past + s > cache.shape[1]:
+                raise ValueError(f"{b} x {past + s} tokens do not fit the cache of {cache.shape[0]} x "
+                                 f"{cache.shape[1]}; call setup_cache again")
+        x = self.embed(tokens)
+        cos, sin = self.rope(past, past + s, tokens.device)
+        mask = None
+        if s > 1:  # query i (position past + i) keeps key j iff j <= past + i
+            mask = torch.full((s, past + s), float("-inf"), device=tokens.device).triu_(past + 1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, start_pos, mask)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the latent cache: (B, S) prompt -> (B, S + max_new_tokens)."""
+        b, s = prompt.shape
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self.setup_cache(b, s + max_new_tokens)
+        logits = self(prompt, start_pos=0)
+        out = [prompt]
+        for i in range(max_new_tokens):
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(tok)
+            if i + 1 < max_new_tokens:
+                logits = self(tok, start_pos=s + i)
+        return torch.cat(out, dim=1)
+
+
+def quantize_fp8_(model: DeepSeek, block: int) -> DeepSeek:
+    """Replace every projection and expert weight by float8_e4m3fn + per-block scales
+    (amax / 448 per block), in place; the router, norms, embedding and head stay as they are."""
+    from metainfer.kernels.fp8_gemm import quantize_weight
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            w, s = quantize_weight(m.weight.detach().float(), block, block)
+            m.weight = nn.Parameter(w, requires_grad=False)
+            m.weight_scale_inv = nn.Parameter(s, requires_grad=False)
+            m.block = block
+        elif isinstance(m, MoE):
+            for name in ("w1", "w2", "w3"):
+                pairs = [quantize_weight(w.float(), block, block) for w in getattr(m, name).detach()]
+                setattr(m, name, nn.Parameter(torch.stack([w for w, _ in pairs]), requires_grad=False))
+                setattr(m, f"{name}_scale_inv", nn.Parameter(torch.stack([s for _, s in pairs]), requires_grad=False))
+            m.block = block
+    return model
+
+
+def build(name_or_config: "str | DeepSeekConfig" = "deepseek-tiny", *, dtype=torch.float32, device="cpu",
+          seed: int = 0, **overrides) -> DeepSeek:
+    """A randomly initialised model in eval mode; FP8 configs are quantised after the cast to
+    `dtype` (a later `.to(dtype)` would cast the FP8 weights too)."""
+    cfg = CONFIGS[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    if overrides:
+        cfg = replace(cfg, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepSeek(cfg)
+    model = model.to(device=device, dtype=dtype).eval()
+    for m in model.modules():  # the router and its bias stay float32, as DeepSeek keeps them
+        if isinstance(m, Gate):
+            m.float()
+    if cfg.fp8:
+        quantize_fp8_(model, cfg.quant_block)
+    return model
+
+
+def example_inputs(cfg: DeepSeekConfig, batch: int = 1, seq: int = 32, device="cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),)

@@ -1,0 +1,99 @@
+"""fp8_gemm: F.linear(x, dequant(w_fp8, scale_inv)) -> metainfer::fp8_linear.
+
+The fallback dequantises the whole FP8 weight to the activation dtype on every call (an
+(N, K) bf16 copy written and read again: 3x the weight bytes of the FP8 weight itself) and
+runs a bf16 GEMM. The op reads the FP8 weight and its block scales directly.
+
+Modes: "w8a16" (default: activations stay in their dtype; equal to the fallback within the
+dtype's rounding) or "w8a8" (activations quantised per 1 x block_k group to e4m3, DeepSeek's
+scheme for FP8 tensor cores; relative error ~2^-5 per product, see
+metainfer.kernels.fp8_gemm). W8A8 is opt-in: pass_options={"fp8_mode": "w8a8"}, or
+`[passes] fp8_mode = "w8a8"` in the target's TOML. The report says which mode ran.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+from .base import Pass, PassContext, PassResult, register
+from .fp8_dequant import NotDequant, find_dequant
+from .matching import Node, aten, dtype, insert_call, is_op, location, shape
+
+SUPPORTED_FP8 = (torch.float8_e4m3fn,)
+MODES = ("w8a16", "w8a8")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_mode(ctx: PassContext) -> str:
+    """The FP8 GEMM mode: pass_options first, then the target's [passes] table, else w8a16."""
+    mode = ctx.options.get("fp8_mode", ctx.target.pass_options.get("fp8_mode", "w8a16"))
+    if mode not in MODES:
+        raise ValueError(f"fp8_mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+@register
+class FP8GEMM(Pass):
+    """dequant(FP8 weight, block scales) + linear -> metainfer::fp8_linear (no bf16 weight copy)"""
+
+    name = "fp8_gemm"
+
+    def run(self, graph, ctx: PassContext) -> PassResult:
+        res = PassResult(modified=False)
+        mode = fp8_mode(ctx)
+        for node in list(graph.nodes):
+            if not is_op(node, aten.mm, aten.addmm):
+                continue
+            site = _linear_operands(node)
+            if site is None:
+                continue
+            x, wt, bias = site
+            try:
+                dq = find_dequant(wt.args[0])
+                if dq is None:
+                    continue
+                _check(x, bias, dq)
+            except NotDequant as e:
+                res.near_misses.append(f"{location(node)}: FP8 GEMM not replaced: {e}")
+                continue
+            new = insert_call(graph, node, torch.ops.metainfer.fp8_linear.default,
+                              (x, dq.weight, dq.scale, bias, dq.block_n, dq.block_k, mode == "w8a8"))
+            node.replace_all_uses_with(new)
+            res.matches += 1
+            N, K = shape(dq.weight)
+            shared = [u.name for u in dq.out.users if u is not wt]
+            extra = f"; the dequantised weight is still computed for {', '.join(shared)}" if shared else ""
+            res.decisions.append(
+                f"{location(node)}: dequant + linear -> metainfer.fp8_linear {mode.upper()} "
+                f"([{N}, {K}] e4m3, {dq.block_n}x{dq.block_k} block scales, x {str(dtype(x)).replace('torch.', '')}; "
+                f"reads {N * K} FP8 weight bytes instead of writing and reading a "
+                f"{N * K * dtype(dq.out).itemsize}-byte dequantised copy){extra}")
+        res.modified = res.matches > 0
+        return res
+
+
+def _linear_operands(node: Node):
+    """(x, the transposed weight node, bias or None) of mm(x, W^T) / addmm(bias, x, W^T)."""
+    if is_op(node, aten.mm):
+        x, wt, bias = node.args[0], node.args[1], None
+    else:
+        if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+            return None
+        bias, x, wt = node.args[0], node.args[1], node.args[2]
+        if shape(bias) is None or len(shape(bias)) != 1:
+            return None
+    if not (is_op(wt, aten.permute) and list(wt.args[1]) == [1, 0]) and not is_op(wt, aten.t):
+        return None
+    return x, wt, bias
+
+
+def _check(x, bias, dq) -> None:
+    if dtype(dq.weight) not in SUPPORTED_FP8:
+        raise NotDequant(f"FP8 format {dtype(dq.weight)} is not supported by the kernel "
+                         f"(supported: {', '.join(str(d) for d in SUPPORTED_FP8)})")
+    if dtype(x) not in _FLOATS or dtype(x) != dtype(dq.out):
+        raise NotDequant(f"activations {dtype(x)} and dequantised weight {dtype(dq.out)} differ")
+    if bias is not None and dtype(bias) != dtype(x):
+        raise NotDequant(f"bias dtype {dtype(bias)} differs from the activations' {dtype(x)}")

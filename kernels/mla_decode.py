@@ -24,7 +24,11 @@ P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation 
   and the ckv tile BLOCK_N x R. Tiling R for the score dot would mean loading each ckv tile
   twice (R chunks for the scores, then the full rows for p @ ckv), and splitting the output R
   across programs would re-read all of ckv per split; DeepSeek's R=512 fits whole with
-  BLOCK_H=16, BLOCK_N=32, 8 warps. Larger R (up to 1024) wants BLOCK_N=16.
+  BLOCK_H=16, BLOCK_N=32, 8 warps, 1 stage (at most 8 B of register spills on sm_90). Larger
+  R (up to 1024) wants BLOCK_N=16 (~100 B of spills there).
+  One program walks the whole cache for its row: with few (batch x query x head-block)
+  programs (batch-1 decode) the GPU is under-filled; a split-T (flash-decoding) variant with a
+  combine step is the follow-up for that case.
 - `cpu_forward`: torch, chunked over queries (dense: O(chunk x T) scores; sparse: gathers the
   selected ckv/kpe rows, O(chunk x TOPK x R)).
 - `reference`: dense float32 math (index set scattered into a keep-mask), for tests.
@@ -51,7 +55,9 @@ MAX_ROPE_DIM = 128
 # rows); BLOCK_N: cache positions (or selected indices) per step (>= 16).
 DEFAULT_CONFIGS = {
     "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16},
-    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    # R=512, P=64, bf16, sm_90: compiled ahead of time with Triton 3.9 (no run): 255 registers,
+    # 0-8 B spilled; 2 stages spilled ~30 B, BLOCK_H=64 ~600 B. Not timed on a GPU yet.
+    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
 }
 
 

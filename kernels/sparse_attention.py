@@ -46,7 +46,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # min(BLOCK_H, max(16, next_pow2(group))) rows); BLOCK_N: selected keys per step (>= 16).
 DEFAULT_CONFIGS = {
     "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16},
-    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    # bf16, sm_90, D/Dv up to 256: compiled ahead of time with Triton 3.9 (no run), 0 spills
+    # (4 warps spilled at D=256). Not timed on a GPU yet.
+    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
 }
 
 
@@ -340,3 +342,53 @@ def cpu_forward(q, k, v, indices, mask, scale: float, causal: bool, causal_offse
             p = p.nan_to_num(nan=0.0)
         og[:, :, :, i0:i1] = torch.einsum("bhgct,bhctv->bhgcv", p, vg).to(q.dtype)
     return out
+
+
+def fix_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
+                        unselected_fill: float) -> torch.Tensor:
+    """Make `out` equal to dense attention whose unselected keys get the finite additive
+    `unselected_fill` (e.g. finfo.min, as transformers writes it) instead of being dropped.
+
+    The two agree on every query row that keeps at least one selected key (the fill's
+    exp() underflows to exactly 0 there). A row whose selected keys are all masked is, in the
+    dense form, a softmax over every key with the fill (and a boolean mask's dropped keys)
+    at `unselected_fill`: those rare rows (padding) are recomputed densely, O(Sk) each."""
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < Sk)
+    gidx = idx.clamp(0, Sk - 1)
+    kept = valid[:, None].expand(B, Hq, Sq, idx.shape[-1])
+    if causal:
+        rows = torch.arange(Sq, device=q.device)[None, :, None]
+        kept = kept & (gidx <= rows + causal_offset)[:, None]
+    if mask is not None:
+        vals = gather_mask(mask, (B, Hq, Sq, Sk), 0, Sq, gidx)
+        kept = kept & (vals if vals.dtype == torch.bool else vals > _DROP_FLOOR)
+    empty = ~kept.any(-1)  # (B, Hq, Sq)
+    if not bool(empty.any()):
+        return out
+    b, h, i = empty.nonzero(as_tuple=True)
+    group = Hq // Hkv
+    s = torch.einsum("nd,ntd->nt", q[b, h, i].float(), k[b, h // group].float()) * scale
+    sel = torch.zeros(len(b), Sk, dtype=torch.bool, device=q.device)
+    sel.scatter_(1, gidx[b, i], valid[b, i])
+    m = torch.full((len(b), Sk), unselected_fill, device=q.device)
+    if mask is not None:
+        full = mask.expand(B, Hq, Sq, Sk)[b, h, i]
+        if full.dtype == torch.bool:
+            m = torch.where(sel & full, torch.zeros((), device=q.device), m)
+        else:
+            m = torch.where(sel, full.float(), m)
+    else:
+        m = torch.where(sel, torch.zeros((), device=q.device), m)
+    if causal:  # the dense op drops keys past the causal limit whatever the mask says
+        late = torch.arange(Sk, device=q.device)[None, :] > (i[:, None] + causal_offset)
+        m = m.masked_fill(late, float("-inf"))
+    p = torch.softmax(s + m, dim=-1)
+    out = out.clone()
+    out[b, h, i] = torch.einsum("nt,ntd->nd", p, v[b, h // group].float()).to(out.dtype)
+    return out
+
+
+_DROP_FLOOR = torch.finfo(torch.float16).min

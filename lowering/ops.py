@@ -136,18 +136,24 @@ def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, blo
 
 @torch.library.custom_op("metainfer::sparse_attention", mutates_args=())
 def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, mask: Optional[Tensor], scale: float,
-                     causal: bool, causal_offset: int, zero_empty_rows: bool) -> Tensor:
+                     causal: bool, causal_offset: int, zero_empty_rows: bool, unselected_fill: float) -> Tensor:
     """Attention over the keys `indices` selects per query (DSA top-k), see
-    metainfer.kernels.sparse_attention."""
+    metainfer.kernels.sparse_attention. `unselected_fill` -inf: unselected keys are dropped;
+    a finite value: they carry that additive mask, as a dense mask with finfo.min has it."""
     args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     if kernels.use_triton(q):
         cfg = config_for("sparse_attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
-        return _sparse_attention.launch(*args, config=cfg)
-    return _sparse_attention.cpu_forward(*args).contiguous()
+        out = _sparse_attention.launch(*args, config=cfg)
+    else:
+        out = _sparse_attention.cpu_forward(*args).contiguous()
+    if unselected_fill != float("-inf"):
+        out = _sparse_attention.fix_unselected_rows(out, q, k, v, indices, mask, scale, causal, causal_offset,
+                                                    unselected_fill)
+    return out
 
 
 @sparse_attention.register_fake
-def _(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows):
+def _(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows, unselected_fill):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 

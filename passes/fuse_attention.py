@@ -125,10 +125,16 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     while is_op(probs, *CONVERT_OPS):
         casts.append(probs)
         probs = probs.args[0]
+    safe = _safe_softmax(probs)
+    if safe is not None:  # SDPA's math decomposition: rows with every key masked give 0
+        probs, safe_nodes = safe
+        casts += safe_nodes
     sm = _softmax(probs)
     if sm is None:
         return None  # not attention
     logits, sm_nodes = sm
+    if safe is not None and safe_nodes[-1].args[0] is not logits:
+        return None
     probs_region += casts + sm_nodes[:1]
     region = probs_region + sm_nodes[1:]
 
@@ -137,6 +143,9 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     a3, b3 = qk.args[0], qk.args[1]
     q4, q_views = _peel(a3)
     kt4, k_views = _peel(b3)
+    # SDPA's math decomposition scales q and k^T by sqrt(scale) each
+    q4, q_views, scale = _unscale(q4, q_views, scale, region)
+    kt4, k_views, scale = _unscale(kt4, k_views, scale, region)
     v4, v_views = _peel(v3)
     three_d = q4 is None or kt4 is None or v4 is None
     if three_d:
@@ -158,8 +167,8 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
         k = Operand(kt.node, transpose=True, expand_batch=kt.expand_batch)
 
     _check_exclusive(region, probs=set(probs_region), allowed_exit=pv)
-    m = Match(form="eager", anchor=pv, replace=[], replace_3d=[], q=q, k=k, v=v, scale=scale,
-              unsqueeze_batch=three_d, region=set(region) - {pv})
+    m = Match(form="eager" if safe is None else "sdpa (math)", anchor=pv, replace=[], replace_3d=[], q=q, k=k,
+              v=v, scale=scale, unsqueeze_batch=three_d, region=set(region) - {pv}, zero_empty_rows=safe is not None)
     _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
     _strip_gqa(m)
     _check_fits(m)
@@ -225,6 +234,39 @@ def _softmax(p: Node) -> tuple[Node, list[Node]] | None:
     if mx.args[0] is not x or not reduces_last_dim(mx, r):
         return None
     return x, [p, s, e, d, mx]
+
+
+def _unscale(t, views, scale, region):
+    """Look through a positive scalar multiply of a 4-D operand, folding it into the scale."""
+    if is_op(t, aten.mul) and is_scalar(t.args[1]) and ndim(t.args[0]) == 4:
+        if not t.args[1] > 0:
+            raise NearMiss(f"operand scale {t.args[1]} is not positive")
+        region.extend([*views, t])  # the multiply and the views of it die with the op
+        return t.args[0], views + [t], scale * t.args[1]
+    return t, views, scale
+
+
+def _safe_softmax(p: Node) -> tuple[Node, list[Node]] | None:
+    """where(no key of the row is finite, 0, probs) -> (probs, [nodes..., eq(logits, -inf)])."""
+    if not is_op(p, aten.where):
+        return None
+    cond, zero, probs = p.args
+    is_zero = constant_value(zero) == 0 or (is_op(zero, aten.full) and zero.args[1] == 0)
+    if not is_zero or not same_shape(shape(p), shape(probs) or ()):
+        return None
+    if not is_op(cond, aten.logical_not) or not is_op(cond.args[0], aten.any):
+        return None
+    anyn = cond.args[0]
+    if not reduces_last_dim(anyn, ndim(anyn.args[0]) or 0) or not is_op(anyn.args[0], aten.logical_not):
+        return None
+    ne = anyn.args[0]
+    eq = ne.args[0]
+    if not (is_op(eq, aten.eq) and constant_value(eq.args[1]) == -math.inf):
+        return None
+    nodes = [p, cond, anyn, ne, eq]
+    if isinstance(p.args[1], Node):
+        nodes.insert(1, p.args[1])
+    return probs, nodes
 
 
 def _fill_drops(v) -> bool:

@@ -238,7 +238,8 @@ def _softmax(p: Node) -> tuple[Node, list[Node]] | None:
 
 def _unscale(t, views, scale, region):
     """Look through a positive scalar multiply of a 4-D operand, folding it into the scale."""
-    if is_op(t, aten.mul) and is_scalar(t.args[1]) and ndim(t.args[0]) == 4:
+    if (is_op(t, aten.mul) and is_scalar(t.args[1]) and ndim(t.args[0]) == 4
+            and all(len(n.users) == 1 for n in [*views, t])):
         if not t.args[1] > 0:
             raise NearMiss(f"operand scale {t.args[1]} is not positive")
         region.extend([*views, t])  # the multiply and the views of it die with the op

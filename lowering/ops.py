@@ -106,10 +106,20 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Optional[Tens
                act_quant: bool) -> Tensor:
     """x @ dequant(weight)^T (+ bias) from the FP8 weight and its block scales, see
     metainfer.kernels.fp8_gemm; act_quant: W8A8 (activations quantised per 1 x block_k)."""
+    if x.dim() > 1 and x.stride(-1) != 1 or not _rows_viewable(x):
+        x = x.contiguous()  # e.g. a batched view of a cache slice
     if kernels.use_triton(x):
         return _fp8_gemm.launch(x, weight, scale_inv, bias, block_n, block_k, act_quant,
                                 config=config_for("fp8_gemm", x.device))
     return _fp8_gemm.cpu_forward(x, weight, scale_inv, bias, block_n, block_k, act_quant).contiguous()
+
+
+def _rows_viewable(x: Tensor) -> bool:
+    try:
+        x.view(-1, x.shape[-1])
+        return True
+    except RuntimeError:
+        return False
 
 
 @fp8_linear.register_fake

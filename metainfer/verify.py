@@ -98,9 +98,29 @@ def mismatch(ref, out) -> str | None:
     return "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
 
 
+def _fakes(inputs) -> list:
+    """Fake copies of a graph's inputs, in a mode with a shape environment, as Dynamo hands
+    them to a backend (a graph with data-dependent output shapes compiles only so)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    return [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _fresh_copy(gm):
+    """A copy without the captured run's fake values (their unbacked sizes belong to that run)."""
+    gm = copy.deepcopy(gm)
+    for n in gm.graph.nodes:
+        for key in ("val", "example_value", "unbacked_bindings"):
+            n.meta.pop(key, None)
+    return gm
+
+
 def bisect_captured(backend) -> BisectResult:
     """Search the graphs a MetainferBackend captured (capture=True) for the first pass whose
     inclusion makes a graph's outputs differ from running that graph eagerly."""
+    from metainfer.capture import DYNAMO_CONFIG
     from metainfer.lowering.backend import compile_graph
 
     for index, (gm, inputs) in enumerate(backend.captured):
@@ -109,10 +129,10 @@ def bisect_captured(backend) -> BisectResult:
         section = backend.report.sections[index]
         ran = [r.name for r in section.records if r.ran]
         active = [p for p in backend.passes if p.name in ran]
-        with torch.no_grad():
+        with torch.no_grad(), torch._dynamo.config.patch(**DYNAMO_CONFIG):  # as the graph was captured
             ref = copy.deepcopy(gm)(*inputs)
             for k in range(len(active) + 1):
-                compiled = compile_graph(copy.deepcopy(gm), list(inputs), active[:k], backend.target,
+                compiled = compile_graph(_fresh_copy(gm), _fakes(inputs), active[:k], backend.target,
                                          explicit=True, lowering=backend.lowering, options=backend.options,
                                          graph_index=index, cache_dir=backend.cache_dir)
                 why = mismatch(ref, compiled(*inputs))

@@ -19,7 +19,7 @@ from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer
 
 from .base import Pass, PassContext, PassResult, register
 from .fp8_dequant import NotDequant, find_dequant
-from .matching import Node, aten, dtype, insert_call, is_op, location, shape
+from .matching import Node, aten, dtype, insert_call, is_op, linear_operands, location, shape
 
 SUPPORTED_FP8 = (torch.float8_e4m3fn,)
 MODES = ("w8a16", "w8a8")
@@ -44,7 +44,7 @@ class FP8GEMM(Pass):
         res = PassResult(modified=False)
         mode = fp8_mode(ctx)
         for node in list(graph.nodes):
-            if not is_op(node, aten.mm, aten.addmm):
+            if not is_op(node, aten.mm, aten.addmm, aten.bmm):
                 continue
             site = _linear_operands(node)
             if site is None:
@@ -75,15 +75,11 @@ class FP8GEMM(Pass):
 
 
 def _linear_operands(node: Node):
-    """(x, the transposed weight node, bias or None) of mm(x, W^T) / addmm(bias, x, W^T)."""
-    if is_op(node, aten.mm):
-        x, wt, bias = node.args[0], node.args[1], None
-    else:
-        if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
-            return None
-        bias, x, wt = node.args[0], node.args[1], node.args[2]
-        if shape(bias) is None or len(shape(bias)) != 1:
-            return None
+    """(x, the transposed weight node, bias or None) of a linear GEMM with W^T = permute(W)."""
+    found = linear_operands(node)
+    if found is None:
+        return None
+    x, wt, bias = found
     if not (is_op(wt, aten.permute) and list(wt.args[1]) == [1, 0]) and not is_op(wt, aten.t):
         return None
     return x, wt, bias

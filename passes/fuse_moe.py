@@ -207,8 +207,18 @@ def _match_loop(zeros: Node) -> Site | None:
 
 
 def _is_accumulate(n, acc) -> bool:
-    return (is_op(n, aten.index_put) and n.args[0] is acc and len(n.args) > 3 and n.args[3] is True
-            and len(n.args[1]) == 1)
+    """index_put(acc, [idx], val, accumulate=True), or index_add(acc, 0, idx, val) (low precision)."""
+    if is_op(n, aten.index_put):
+        return n.args[0] is acc and len(n.args) > 3 and n.args[3] is True and len(n.args[1]) == 1
+    return (is_op(n, aten.index_add) and n.args[0] is acc and n.args[1] == 0
+            and n.kwargs.get("alpha", 1) == 1 and (len(n.args) < 5 or n.args[4] == 1))
+
+
+def _accumulated(link: Node) -> tuple[Node, Node]:
+    """(row indices, values) an accumulate link adds."""
+    if is_op(link, aten.index_put):
+        return link.args[1][0], link.args[2]
+    return link.args[2], link.args[3]
 
 
 def _expert_weight(w_t: Node, e: int | None):
@@ -233,7 +243,7 @@ def _expert_weight(w_t: Node, e: int | None):
 
 def _loop_expert(link: Node) -> dict | None:
     """One iteration: index_put(acc, [idx], mm(h, Wd^T) * w[idx, top, None], True)."""
-    (idx,), val = link.args[1], link.args[2]
+    idx, val = _accumulated(link)
     if not is_op(val, aten.mul):
         return None
     for down, rw in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):

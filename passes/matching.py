@@ -378,3 +378,25 @@ def constant_value(n: Any) -> float | None:
     return None
 
 
+
+
+def linear_operands(node: Node) -> "tuple[Any, Node, Any] | None":
+    """(x, Wt, bias or None) if `node` computes x @ Wt (+ bias) for a 2-D `Wt` (F.linear's
+    weight transposed): mm(x, Wt), addmm(bias, x, Wt), or bmm(x, expand(Wt, (B, K, N))), which
+    is what matmul makes of a batched, non-contiguous input."""
+    if is_op(node, aten.mm):
+        return node.args[0], node.args[1], None
+    if is_op(node, aten.addmm):
+        if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+            return None
+        bias = node.args[0]
+        if shape(bias) is None or len(shape(bias)) != 1:
+            return None
+        return node.args[1], node.args[2], bias
+    if is_op(node, aten.bmm):
+        w = node.args[1]
+        while is_op(w, *VIEW_OPS) and ndim(w) == 3:
+            w = w.args[0]
+        if is_op(w, aten.expand) and ndim(w.args[0]) == 2 and same_shape(shape(w)[1:], shape(w.args[0])):
+            return node.args[0], w.args[0], None
+    return None

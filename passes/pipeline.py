@@ -8,9 +8,12 @@ from metainfer.targets import Target
 
 from .base import Pass, get_pass, pass_names
 
-# Order matters little (the patterns do not overlap); attention first, as it removes the
-# most nodes, then the pointwise/norm fusions around it.
-DEFAULT_ORDER = ("fuse_attention", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu")
+# fuse_moe and mla_decode read the FP8 dequantisation of their weights, so they run before
+# fp8_gemm takes the remaining linears; mla_prefill claims the MLA attentions before
+# fuse_attention takes the rest; sparse_mla and mla_decode rewrite fused attention ops; the
+# pointwise/norm fusions come last.
+DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm",
+                 "fuse_rope", "fuse_rmsnorm", "fuse_swiglu")
 
 
 def default_pipeline(target: Target) -> list[str]:

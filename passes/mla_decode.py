@@ -1,0 +1,238 @@
+"""mla_decode: MLA decompress-then-attend over the latent cache -> the absorbed form.
+
+The fallback keeps MLA's compressed cache (latent c (B, T, R) and shared rope key (B, T, P))
+but decompresses all of it on every step: K_nope, V = c @ W_kv_b^T, an (B, T, H, nope + v)
+tensor, O(T x R x H x (nope + v)) work and memory per token generated. Since
+q_nope . k_nope[t] = (q_nope W_UK) . c[t] and sum_t p_t v[t] = (sum_t p_t c[t]) W_UV^T, the
+same attention is
+
+    q_lat = q_nope @ W_UK          (B, H, S, R), W_UK = W_kv_b[h, :nope, :]
+    o_lat = softmax(scale * (q_lat . c + q_pe . k_pe) + mask) @ c     metainfer::mla_decode
+    out   = o_lat @ W_UV^T         (B, H, S, v), W_UV = W_kv_b[h, nope:, :]
+
+which reads the cache once as both key and value. The pass rewrites a fused attention (from
+mla_prefill / sparse_mla) whose K is [c W_UK^T, broadcast k_pe] and V is c W_UV^T, where the
+cost model (FLOPs of both forms at the graph's sizes) says the absorbed form is cheaper:
+decode steps (few queries over a long cache), not prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+from .base import Pass, PassContext, PassResult, register
+from .matching import (
+    VIEW_OPS, Node, aten, dtype, insert_call, is_op, is_size_read, linear_operands, location, same, shape,
+    sizes_available,
+)
+
+_ATTENTION = torch.ops.metainfer.attention.default
+_SPARSE = torch.ops.metainfer.sparse_attention.default
+
+
+class NearMiss(Exception):
+    """MLA decode recognised, but not rewritten; the message says why."""
+
+
+def _hint(s) -> int:
+    if isinstance(s, int):
+        return s
+    return int(s.node.hint) if s.node.hint is not None else None
+
+
+@register
+class MLADecode(Pass):
+    """MLA attention over a decompressed latent cache -> absorbed form + metainfer::mla_decode"""
+
+    name = "mla_decode"
+
+    def run(self, graph, ctx: PassContext) -> PassResult:
+        res = PassResult(modified=False)
+        for node in list(graph.nodes):
+            if node.target not in (_ATTENTION, _SPARSE):
+                continue
+            try:
+                site = _match(node)
+                if site is None:
+                    continue
+                pays, why = _pays(site)
+                if not pays:
+                    res.near_misses.append(f"{location(node)}: MLA kept decompressed: {why}")
+                    continue
+                if not sizes_available(graph, node, [shape(site["q_nope"]), shape(node)], site["region"]):
+                    raise NearMiss("a symbolic size the absorbed form needs is not available")
+            except NearMiss as e:
+                res.near_misses.append(f"{location(node)}: MLA decode not absorbed: {e}")
+                continue
+            _rewrite(graph, node, site)
+            res.matches += 1
+            res.decisions.append(f"{location(node)}: MLA over the latent cache -> absorbed form + "
+                                 f"metainfer.mla_decode{' (sparse)' if node.target is _SPARSE else ''}; {why}")
+        res.modified = res.matches > 0
+        return res
+
+
+# ---- matching -------------------------------------------------------------------------------
+
+def _bhsd(n) -> tuple[Node, bool]:
+    """(x, swapped): n is x, or permute(x, [0, 2, 1, 3]) (x in (B, S, H, D) layout)."""
+    if is_op(n, aten.permute) and list(n.args[1]) == [0, 2, 1, 3]:
+        return n.args[0], True
+    return n, False
+
+
+def _last_dim_parts(n) -> list[Node] | None:
+    """[a, b] if n = cat([a, b], -1), or a slice_scatter pair writing a then b into a new tensor."""
+    if is_op(n, aten.cat) and len(n.args[0]) == 2 and (n.args[1] if len(n.args) > 1 else 0) in (-1, len(shape(n)) - 1):
+        return list(n.args[0])
+    if is_op(n, aten.slice_scatter):
+        outer, b = n.args[0], n.args[1]
+        if is_op(outer, aten.slice_scatter) and is_op(outer.args[0], aten.empty, aten.new_empty):
+            a = outer.args[1]
+            last = len(shape(n)) - 1
+            if (n.args[2] in (-1, last) and outer.args[2] in (-1, last)
+                    and outer.args[3] == 0 and outer.args[4] == shape(a)[-1] and n.args[3] == shape(a)[-1]):
+                return [a, b]
+    return None
+
+
+def _split_of(n) -> tuple[Node, int] | None:
+    """(source, part) if n is part `part` of a split of the last dim."""
+    if n.target is operator.getitem and is_op(n.args[0], aten.split, aten.split_with_sizes):
+        sp = n.args[0]
+        dim = sp.args[2] if len(sp.args) > 2 else 0
+        if dim in (-1, len(shape(sp.args[0])) - 1):
+            return sp.args[0], n.args[1]
+    return None
+
+
+def _strip(n, ops):
+    chain = []
+    while is_op(n, *ops):
+        chain.append(n)
+        n = n.args[0]
+    return n, chain
+
+
+def _match(att: Node):
+    q, k, v = att.args[:3]
+    if att.target is _SPARSE:
+        fill = att.args[9]
+        if fill != -math.inf:
+            raise NearMiss("the sparse selection has a finite fill (dense recomputation of masked rows)")
+    q4, q_sw = _bhsd(q)
+    k4, k_sw = _bhsd(k)
+    v4, v_sw = _bhsd(v)
+    if not (q_sw == k_sw == v_sw):
+        return None
+    qparts, kparts = _last_dim_parts(q4), _last_dim_parts(k4)
+    vs = _split_of(v4)
+    if qparts is None or kparts is None or vs is None:
+        return None
+    k_nope, k_pe_b = kparts
+    ks = _split_of(k_nope)
+    if ks is None or ks[0] is not vs[0] or (ks[1], vs[1]) != (0, 1):
+        return None
+    kv = vs[0]  # (B, T, H, nope + v) [or (B, H, T, .) when the layout was swapped before the split]
+    # kv = view(c @ W^T), possibly transposed to heads-major
+    kv_src, kv_sw = _bhsd(kv)
+    dec, views = _strip(kv_src, VIEW_OPS)
+    found = linear_operands(dec)
+    if found is None or found[2] is not None:
+        return None
+    lat_flat, wt, _ = found
+    if not (is_op(wt, aten.permute) and list(wt.args[1]) == [1, 0]):
+        return None
+    W = wt.args[0]
+    latent, lat_views = _strip(lat_flat, (*VIEW_OPS, aten.expand))
+    if shape(latent) is None or len(shape(latent)) not in (3, 4):
+        return None
+    R = shape(W)[1]
+    H = shape(q)[1]
+    nope, dv = shape(k_nope)[-1], shape(v)[-1]
+    if not (isinstance(R, int) and shape(W)[0] == H * (nope + dv) and same(shape(latent)[-1], R)):
+        raise NearMiss(f"W_kv_b {list(shape(W))} does not decompress a latent of {R} into {H} x ({nope} + {dv})")
+    # the rope key, shared by every head: an expand of (B, T, 1, P) ((B, 1, T, P) in heads-major layout)
+    kpe_src, _ = _strip(k_pe_b, (aten.expand,))
+    head_axis = 2 if k_sw else 1
+    if shape(kpe_src) is None or len(shape(kpe_src)) != 4 or shape(kpe_src)[head_axis] != 1:
+        return None
+    q_nope, q_pe = qparts
+    if not (same(shape(q_nope)[-1], nope) and same(shape(q_pe)[-1], shape(kpe_src)[-1])):
+        return None
+    if dtype(W) != dtype(q) or dtype(latent) != dtype(q):
+        raise NearMiss(f"weights {dtype(W)} / latent {dtype(latent)} differ from queries {dtype(q)}")
+    # everything from the decompression GEMM to the attention goes with the rewrite
+    inner = {k, v, k4, v4, k_nope, k_pe_b, kv, kv_src, dec, wt, *views, k_nope.args[0]}
+    if is_op(dec, aten.bmm):  # the broadcast weight and the batched views of the latent go too
+        inner |= {dec.args[1], *_strip(dec.args[1], (*VIEW_OPS, aten.expand))[1], *lat_views}
+    if is_op(k4, aten.slice_scatter):
+        inner.add(k4.args[0])
+    for n in inner:
+        for u in n.users:
+            if u not in inner and u is not att and not is_size_read(u):
+                raise NearMiss(f"the decompressed keys/values ({n.name}) are also used by {u.name}")
+    region = inner
+    return dict(q_nope=q_nope, q_pe=q_pe, q_swapped=q_sw, latent=latent, kpe=kpe_src, head_axis=head_axis,
+                W=W, R=R, H=H, nope=nope, dv=dv, region=region)
+
+
+def _pays(site) -> tuple[bool, str]:
+    """Absorbed vs decompressed FLOPs at the graph's sizes (symbolic sizes at their hints)."""
+    qs, ls = shape(site["q_nope"]), shape(site["latent"])
+    B, S = (qs[0], qs[1]) if site["q_swapped"] else (qs[0], qs[2])
+    T = ls[-2]
+    B, S, T = _hint(B), _hint(S), _hint(T)
+    if None in (B, S, T):
+        return False, "sizes without a hint"
+    H, R, nope, dv, P = site["H"], site["R"], site["nope"], site["dv"], shape(site["q_pe"])[-1]
+    naive = 2 * B * T * R * H * (nope + dv) + 2 * B * H * S * T * (nope + P + dv)
+    absorbed = 2 * B * H * S * R * (nope + dv) + 2 * B * H * S * T * (2 * R + P)
+    kv_bytes = B * T * H * (nope + dv) * dtype(site["latent"]).itemsize
+    why = (f"{S} queries x {T} cached tokens, {H} heads, latent {R}: {absorbed / 1e6:.3g} vs "
+           f"{naive / 1e6:.3g} MFLOP decompressed; no {kv_bytes}-byte K/V decompression")
+    return absorbed < naive, why
+
+
+# ---- rewrite --------------------------------------------------------------------------------
+
+def _call(graph, before, op, *args):
+    return insert_call(graph, before, op, args)
+
+
+def _rewrite(graph, att: Node, site) -> None:
+    g = lambda op, *a: _call(graph, att, op, *a)  # noqa: E731
+    H, R, nope, dv = site["H"], site["R"], site["nope"], site["dv"]
+    q_nope, q_pe = site["q_nope"], site["q_pe"]
+    if site["q_swapped"]:  # (B, S, H, d) -> (B, H, S, d)
+        q_nope = g(aten.permute.default, q_nope, [0, 2, 1, 3])
+        q_pe = g(aten.permute.default, q_pe, [0, 2, 1, 3])
+    B, _, S, _ = shape(q_nope)
+    w3 = g(aten.reshape.default, site["W"], [H, nope + dv, R])
+    w_uk = g(aten.slice.Tensor, w3, 1, 0, nope)  # (H, nope, R)
+    w_uv_t = g(aten.permute.default, g(aten.slice.Tensor, w3, 1, nope, nope + dv), [0, 2, 1])  # (H, R, dv)
+    # q_lat = q_nope @ W_UK per head: (H, B*S, nope) @ (H, nope, R)
+    qh = g(aten.reshape.default, g(aten.permute.default, q_nope, [1, 0, 2, 3]), [H, -1, nope])
+    q_lat = g(aten.bmm.default, qh, w_uk)
+    q_lat = g(aten.permute.default, g(aten.reshape.default, q_lat, [H, B, S, R]), [1, 0, 2, 3])
+    latent = site["latent"]
+    if len(shape(latent)) == 4:  # (B, 1, T, R)
+        latent = g(aten.squeeze.dim, latent, 1)
+    kpe = site["kpe"]  # (B, T, 1, P) or (B, 1, T, P)
+    kpe = g(aten.squeeze.dim, kpe, site["head_axis"])
+    scale, causal, offset, zero = att.args[4:8] if att.target is _ATTENTION else att.args[5:9]
+    mask = att.args[3] if att.target is _ATTENTION else att.args[4]
+    indices = None if att.target is _ATTENTION else att.args[3]
+    o_lat = g(torch.ops.metainfer.mla_decode.default, q_lat, q_pe, latent, kpe, indices, mask, scale, causal,
+              offset, zero)
+    oh = g(aten.reshape.default, g(aten.permute.default, o_lat, [1, 0, 2, 3]), [H, -1, R])
+    out = g(aten.bmm.default, oh, w_uv_t)  # (H, B*S, dv)
+    out = g(aten.permute.default, g(aten.reshape.default, out, [H, B, S, dv]), [1, 0, 2, 3])
+    if dtype(out) != dtype(att):
+        out = g(torch.ops.prims.convert_element_type.default, out, dtype(att))
+    att.replace_all_uses_with(out)

@@ -581,6 +581,13 @@ def rewrite(graph, m: Match) -> None:
         B, Hq, Sq, Dv = shape(out)
         flat = insert_call(graph, m.anchor, aten.reshape.default, (out, [B * Hq, Sq, Dv]), exclude=m.region)
         r.replace_all_uses_with(flat)
+    if m.anchor.target in _SDPA_OPS:
+        # SDPA ops are tagged random (dropout): dead-code elimination would keep them
+        erased = set()
+        for n in [*m.replace, *list(m.anchor.users), m.anchor]:
+            if n not in erased and not n.users:
+                graph.erase_node(n)
+                erased.add(n)
 
 
 def _fmt_shape(s) -> str:

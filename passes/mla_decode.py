@@ -86,19 +86,31 @@ def _bhsd(n) -> tuple[Node, bool]:
     return n, False
 
 
-def _last_dim_parts(n) -> list[Node] | None:
-    """[a, b] if n = cat([a, b], -1), or a slice_scatter pair writing a then b into a new tensor."""
-    if is_op(n, aten.cat) and len(n.args[0]) == 2 and (n.args[1] if len(n.args) > 1 else 0) in (-1, len(shape(n)) - 1):
-        return list(n.args[0])
-    if is_op(n, aten.slice_scatter):
-        outer, b = n.args[0], n.args[1]
-        if is_op(outer, aten.slice_scatter) and is_op(outer.args[0], aten.empty, aten.new_empty):
-            a = outer.args[1]
-            last = len(shape(n)) - 1
-            if (n.args[2] in (-1, last) and outer.args[2] in (-1, last)
-                    and outer.args[3] == 0 and outer.args[4] == shape(a)[-1] and n.args[3] == shape(a)[-1]):
-                return [a, b]
-    return None
+def _last_dim_parts(n) -> tuple[list[Node], list[Node]] | None:
+    """([a, b], the nodes joining them) if n = cat([a, b], -1), or a and b written into the two
+    halves of the last dim of a new tensor (slice_scatter / copy: transformers' expand_kv)."""
+    last = len(shape(n)) - 1
+    if is_op(n, aten.cat) and len(n.args[0]) == 2 and (n.args[1] if len(n.args) > 1 else 0) in (-1, last):
+        return list(n.args[0]), [n]
+    if not is_op(n, aten.slice_scatter) or not is_op(n.args[0], aten.slice_scatter):
+        return None
+    inner = n.args[0]
+    if not is_op(inner.args[0], aten.empty, aten.new_empty):
+        return None
+    a, a_nodes = _written(inner.args[1])
+    b, b_nodes = _written(n.args[1])
+    width = shape(a)[-1]
+    if not (n.args[2] in (-1, last) and inner.args[2] in (-1, last) and inner.args[3] == 0
+            and inner.args[4] == width and n.args[3] == width and n.args[4] >= shape(n)[-1]):
+        return None
+    return [a, b], [n, inner, inner.args[0], *a_nodes, *b_nodes]
+
+
+def _written(v) -> tuple[Node, list[Node]]:
+    """What a functionalised `dst[...].copy_(src)` writes: src (copy(dst_slice, src))."""
+    if is_op(v, aten.copy):
+        return v.args[1], [v, v.args[0]]
+    return v, []
 
 
 def _split_of(n) -> tuple[Node, int] | None:
@@ -134,7 +146,8 @@ def _match(att: Node):
     vs = _split_of(v4)
     if qparts is None or kparts is None or vs is None:
         return None
-    k_nope, k_pe_b = kparts
+    (k_nope, k_pe_b), k_nodes = kparts
+    qparts = qparts[0]
     ks = _split_of(k_nope)
     if ks is None or ks[0] is not vs[0] or (ks[1], vs[1]) != (0, 1):
         return None
@@ -168,11 +181,9 @@ def _match(att: Node):
     if dtype(W) != dtype(q) or dtype(latent) != dtype(q):
         raise NearMiss(f"weights {dtype(W)} / latent {dtype(latent)} differ from queries {dtype(q)}")
     # everything from the decompression GEMM to the attention goes with the rewrite
-    inner = {k, v, k4, v4, k_nope, k_pe_b, kv, kv_src, dec, wt, *views, k_nope.args[0]}
+    inner = {k, v, k4, v4, k_nope, k_pe_b, kv, kv_src, dec, wt, *views, k_nope.args[0], *k_nodes}
     if is_op(dec, aten.bmm):  # the broadcast weight and the batched views of the latent go too
         inner |= {dec.args[1], *_strip(dec.args[1], (*VIEW_OPS, aten.expand))[1], *lat_views}
-    if is_op(k4, aten.slice_scatter):
-        inner.add(k4.args[0])
     for n in inner:
         for u in n.users:
             if u not in inner and u is not att and not is_size_read(u):

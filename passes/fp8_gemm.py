@@ -58,8 +58,12 @@ class FP8GEMM(Pass):
             except NotDequant as e:
                 res.near_misses.append(f"{location(node)}: FP8 GEMM not replaced: {e}")
                 continue
+            vector_bias = bias is not None and len(shape(bias)) == 1
             new = insert_call(graph, node, torch.ops.metainfer.fp8_linear.default,
-                              (x, dq.weight, dq.scale, bias, dq.block_n, dq.block_k, mode == "w8a8"))
+                              (x, dq.weight, dq.scale, bias if vector_bias else None, dq.block_n, dq.block_k,
+                               mode == "w8a8"))
+            if bias is not None and not vector_bias:  # addmm(residual, x, W^T): add it back
+                new = insert_call(graph, node, aten.add.Tensor, (new, bias))
             node.replace_all_uses_with(new)
             res.matches += 1
             N, K = shape(dq.weight)
@@ -91,5 +95,5 @@ def _check(x, bias, dq) -> None:
                          f"(supported: {', '.join(str(d) for d in SUPPORTED_FP8)})")
     if dtype(x) not in _FLOATS or dtype(x) != dtype(dq.out):
         raise NotDequant(f"activations {dtype(x)} and dequantised weight {dtype(dq.out)} differ")
-    if bias is not None and dtype(bias) != dtype(x):
+    if bias is not None and len(shape(bias)) == 1 and dtype(bias) != dtype(x):
         raise NotDequant(f"bias dtype {dtype(bias)} differs from the activations' {dtype(x)}")

@@ -228,6 +228,10 @@ def _softmax(p: Node) -> tuple[Node, list[Node]] | None:
     if not (is_op(e, aten.exp) and is_op(s, aten.sum) and s.args[0] is e and reduces_last_dim(s, r)):
         return None
     d = e.args[0]
+    rewritten = _inductor_scaled_softmax(d)
+    if rewritten is not None:
+        x, nodes = rewritten
+        return x, [p, s, e, *nodes]
     if not (is_op(d, aten.sub) and is_op(d.args[1], aten.amax)):
         return None
     x, mx = d.args[0], d.args[1]
@@ -268,6 +272,39 @@ def _safe_softmax(p: Node) -> tuple[Node, list[Node]] | None:
     if isinstance(p.args[1], Node):
         nodes.insert(1, p.args[1])
     return probs, nodes
+
+
+def _inductor_scaled_softmax(d: Node) -> tuple[Node, list[Node]] | None:
+    """Inductor's joint-graph rewrite of softmax(x * c) for a scalar c (when no mask sits in
+    between, e.g. a decode step): exp(where(row finite, (x*sign - amax(x*sign)) * (sign*c),
+    x*c - amax(x*c))). Both branches are the same logits; returns (x * c, the nodes)."""
+    if not is_op(d, aten.where):
+        return None
+    cond, stable, plain = d.args
+    if not (is_op(plain, aten.sub) and is_op(plain.args[1], aten.amax) and plain.args[1].args[0] is plain.args[0]):
+        return None
+    logits = plain.args[0]
+    if not (is_op(logits, aten.mul) and is_scalar(logits.args[1]) and isinstance(logits.args[0], Node)):
+        return None
+    x, c = logits.args
+    if not (is_op(stable, aten.mul) and is_scalar(stable.args[1]) and is_op(stable.args[0], aten.sub)):
+        return None
+    sub = stable.args[0]
+    signed, mx = sub.args[0], sub.args[1]
+    if not (is_op(mx, aten.amax) and mx.args[0] is signed and is_op(signed, aten.mul) and signed.args[0] is x
+            and signed.args[1] in (1, -1) and stable.args[1] == signed.args[1] * c):
+        return None
+    # the condition is a function of the logits alone (which rows are all finite)
+    cond_nodes, todo = [], [cond]
+    while todo:
+        n = todo.pop()
+        if n is logits or n in cond_nodes:
+            continue
+        if not isinstance(n, Node) or n.op != "call_function" or not n.all_input_nodes:
+            return None
+        cond_nodes.append(n)
+        todo.extend(n.all_input_nodes)
+    return logits, [d, stable, sub, mx, signed, plain, plain.args[1], *cond_nodes]
 
 
 def _fill_drops(v) -> bool:

@@ -382,15 +382,15 @@ def constant_value(n: Any) -> float | None:
 
 def linear_operands(node: Node) -> "tuple[Any, Node, Any] | None":
     """(x, Wt, bias or None) if `node` computes x @ Wt (+ bias) for a 2-D `Wt` (F.linear's
-    weight transposed): mm(x, Wt), addmm(bias, x, Wt), or bmm(x, expand(Wt, (B, K, N))), which
-    is what matmul makes of a batched, non-contiguous input."""
+    weight transposed): mm(x, Wt), addmm(bias, x, Wt) (bias (N,) or (M, N)), or
+    bmm(x, expand(Wt, (B, K, N))), which is what matmul makes of a batched, non-contiguous input."""
     if is_op(node, aten.mm):
         return node.args[0], node.args[1], None
     if is_op(node, aten.addmm):
         if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
             return None
-        bias = node.args[0]
-        if shape(bias) is None or len(shape(bias)) != 1:
+        bias = node.args[0]  # (N,), or (M, N) where Inductor folded an add into the GEMM
+        if shape(bias) is None or len(shape(bias)) not in (1, 2):
             return None
         return node.args[1], node.args[2], bias
     if is_op(node, aten.bmm):

@@ -33,7 +33,7 @@ def test_model_on_a_device_the_target_does_not_drive(tiny):
 
 
 def test_unknown_pass_names(tiny):
-    with pytest.raises(ValueError, match="disable='fuse_everything': no such pass; known passes: fuse_attention"):
+    with pytest.raises(ValueError, match="disable='fuse_everything': no such pass; known passes: .*fuse_attention"):
         metainfer.optimize(tiny, "cpu", disable=("fuse_everything",))
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
         metainfer.optimize(tiny, "cpu", passes=["nope"])

@@ -1,0 +1,287 @@
+"""The work each DeepSeek fast path removes, fallback vs fast path side by side, on CPU.
+
+    python bench/bench_deepseek_cpu.py                 # prefill 1k, 4k, 8k
+    python bench/bench_deepseek_cpu.py --seqs 1024 --quick
+
+For each fast path the fallback is the code models/deepseek.py runs (DeepSeek's own
+reference form) and the fast path is the metainfer op the pass puts in its place, run here
+through its CPU implementation. Reported per case:
+- launches: top-level ops executed (one kernel each in eager execution; view ops excluded);
+- bytes: sum over those ops of the bytes they read and write (tensor sizes at each op's
+  inputs and outputs: the traffic of one kernel per op, not of this CPU's caches; a sparse
+  kernel is charged only for the K/V rows and mask entries at its selected indices);
+- weight bytes (FP8 GEMM): bytes of weight read by the GEMM plus any dequantised copy
+  written and read again;
+- FLOPs (attention): 2 x queries x keys attended x (qk dim + v dim) x heads, by formula;
+- peak: the process's peak RSS growth while the case runs (sampled every 2 ms).
+Shapes are DeepSeek-V3's where a CPU can hold them (per-projection GEMMs, head dims, latent
+rank, top-k 2048), with fewer heads and experts where the full layer would not fit in memory;
+every scaled dimension is printed. Timing on CPU says nothing about a GPU; none is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from metainfer.kernels import fp8_gemm as F8  # noqa: E402
+from metainfer.lowering import ops  # noqa: E402
+from metainfer.models.deepseek import weight_dequant  # noqa: E402
+
+_VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
+          "transpose", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind", "_to_copy_view"}
+
+
+def _nbytes(t) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class Traffic(TorchDispatchMode):
+    """Counts top-level ops (kernels) and the bytes each reads and writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name not in _VIEWS:
+            self.launches += 1
+            flat = list(args) + list(kwargs.values())
+            flat = [x for a in flat for x in (a if isinstance(a, (list, tuple)) else [a])]
+            outs = out if isinstance(out, (list, tuple)) else [out]
+            self.bytes += sum(_nbytes(x) for x in flat) + sum(_nbytes(x) for x in outs)
+            if name in ("sparse_attention", "mla_decode"):
+                self.bytes -= _gather_discount(name, args)
+        return out
+
+
+def _gather_discount(name, args) -> int:
+    """A sparse kernel reads its K/V and mask only at the selected indices, not whole."""
+    if name == "sparse_attention":
+        q, k, v, idx, mask = args[:5]
+        tensors = [k, v, mask]
+    else:
+        q, _, ckv, kpe, idx, mask = args[:6]
+        tensors = [ckv, kpe, mask]
+    if idx is None:
+        return 0
+    B, S, K = idx.shape
+    saved = 0
+    for t in tensors:
+        if t is None:
+            continue
+        keys = t.shape[-2] if t is not mask else t.shape[-1]
+        read = _nbytes(t) * min(1.0, S * K / max(1, keys * (S if t is mask else 1)))
+        saved += _nbytes(t) - int(read)
+    return saved
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def measure(fn):
+    """(launches, bytes moved, peak RSS growth) of one call of fn()."""
+    with torch.no_grad(), PeakRSS() as mem:
+        with Traffic() as t:
+            out = fn()
+        del out
+    return t.launches, t.bytes, mem.growth
+
+
+def _gb(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def row(*cells):
+    print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+# ---- FP8 GEMM ---------------------------------------------------------------------------
+
+def bench_fp8(seqs, dtype):
+    print("\n### FP8 block-scaled GEMM (W8A16), DeepSeek-V3 projections, bf16 activations\n")
+    row("projection [N, K]", "tokens", "weight bytes fallback", "weight bytes fp8_linear", "ratio",
+        "bytes fallback", "bytes fp8_linear", "peak fallback", "peak fp8_linear")
+    row(*["---"] * 9)
+    # attention output wo (7168 <- 128 x 128), an MLP down projection (7168 <- 18432) is 2.5x this
+    for name, (N, K) in (("wo [7168, 16384]", (7168, 16384)), ("wq_b [24576, 1536]", (24576, 1536))):
+        w, s = F8.quantize_weight(torch.randn(N, K) * 0.02, 128, 128)
+        for S in seqs:
+            x = torch.randn(S, K, dtype=dtype)
+            fb = measure(lambda: F.linear(x, weight_dequant(w, s, 128, x.dtype)))
+            fp = measure(lambda: ops.fp8_linear(x, w, s, None, 128, 128, False))
+            # fallback: read fp8 + write bf16 copy + GEMM reads it; fast path: read fp8 (+ scales)
+            wb_fb = N * K * (1 + 2 * dtype.itemsize)
+            wb_fp = N * K + s.numel() * 4
+            row(name, S, _gb(wb_fb), _gb(wb_fp), f"{wb_fp / wb_fb:.2f}", _gb(fb[1]), _gb(fp[1]), _gb(fb[2]), _gb(fp[2]))
+            del x
+        del w, s
+
+
+# ---- sparse MLA (DSA) -------------------------------------------------------------------
+
+def bench_sparse(seqs, topk, heads, dtype):
+    D, Dv = 192, 128
+    print(f"\n### Sparse MLA prefill (DSA top-{topk}): {heads} heads (V3: 128) of q/k {D}, v {Dv}, batch 1\n")
+    row("tokens", "FLOPs dense", "FLOPs sparse", "ratio", "bytes dense", "bytes sparse", "peak dense", "peak sparse",
+        "launches dense / sparse")
+    row(*["---"] * 9)
+    for S in seqs:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, S, D, generator=g).to(dtype)
+        k = torch.randn(1, heads, S, D, generator=g).to(dtype)
+        v = torch.randn(1, heads, S, Dv, generator=g).to(dtype)
+        causal = torch.full((S, S), float("-inf")).triu_(1)
+        idx = (torch.randn(1, S, S, generator=g) + causal).topk(min(topk, S), dim=-1)[1]
+        scale = D ** -0.5
+
+        def dense():  # models/deepseek.py: selection folded into a -inf mask, dense attention
+            mask = torch.full((1, S, S), float("-inf")).scatter_(-1, idx, 0) + causal
+            scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask.unsqueeze(1)
+            return torch.matmul(scores.softmax(-1, dtype=torch.float32).type_as(q), v)
+
+        def sparse():
+            return ops.sparse_attention(q, k, v, idx, causal, scale, False, 0, False, float("-inf"))
+
+        fd, fs = 2 * heads * S * S * (D + Dv), 2 * heads * S * min(topk, S) * (D + Dv)
+        md, ms = measure(dense), measure(sparse)
+        row(S, f"{fd / 1e9:.1f} G", f"{fs / 1e9:.1f} G", f"{fs / fd:.2f}", _gb(md[1]), _gb(ms[1]), _gb(md[2]),
+            _gb(ms[2]), f"{md[0]} / {ms[0]}")
+        del q, k, v, idx, causal
+        gc.collect()
+
+
+# ---- MLA decode (absorbed) --------------------------------------------------------------
+
+def bench_mla_decode(lengths, heads, dtype):
+    R, P, nope, dv = 512, 64, 128, 128
+    print(f"\n### MLA decode step over the latent cache: {heads} heads (V3: 128), latent {R} + rope {P}, batch 1\n")
+    row("cached tokens", "bytes decompress+attend", "bytes absorbed", "ratio", "peak decompress", "peak absorbed")
+    row(*["---"] * 6)
+    for T in lengths:
+        g = torch.Generator().manual_seed(0)
+        c = torch.randn(1, T, R, generator=g).to(dtype)
+        kpe = torch.randn(1, T, P, generator=g).to(dtype)
+        W = (torch.randn(heads * (nope + dv), R, generator=g) * R ** -0.5).to(dtype)
+        q_nope = torch.randn(1, heads, 1, nope, generator=g).to(dtype)
+        q_pe = torch.randn(1, heads, 1, P, generator=g).to(dtype)
+        scale = (nope + P) ** -0.5
+
+        def naive():  # models/deepseek.py: decompress the whole cache, then attend
+            kv = F.linear(c, W).view(1, T, heads, nope + dv)
+            k_nope, v = torch.split(kv, [nope, dv], dim=-1)
+            k = torch.cat([k_nope, kpe.unsqueeze(2).expand(-1, -1, heads, -1)], -1).transpose(1, 2)
+            q = torch.cat([q_nope, q_pe], -1)
+            return ops.attention(q, k, v.transpose(1, 2), None, scale, False, 0, False)
+
+        def absorbed():
+            w3 = W.view(heads, nope + dv, R)
+            q_lat = torch.matmul(q_nope, w3[:, :nope])  # (1, H, 1, R)
+            o = ops.mla_decode(q_lat, q_pe, c, kpe, None, None, scale, False, 0, False)
+            return torch.matmul(o, w3[:, nope:].transpose(-1, -2))
+
+        a, b = measure(naive), measure(absorbed)
+        row(T, _gb(a[1]), _gb(b[1]), f"{b[1] / a[1]:.3f}", _gb(a[2]), _gb(b[2]))
+
+
+# ---- MoE --------------------------------------------------------------------------------
+
+def bench_moe(seqs, E, topk, H, I, dtype):
+    print(f"\n### Routed experts: {E} experts (V3: 256) top-{topk}, hidden {H} (V3: 7168), expert width {I} "
+          "(V3: 2048)\n")
+    row("tokens", "launches loop", "launches fused", "bytes loop", "bytes fused", "peak loop", "peak fused")
+    row(*["---"] * 7)
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(E, I, H, generator=g) * H ** -0.5).to(dtype)
+    w3 = (torch.randn(E, I, H, generator=g) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(dtype)
+    for S in seqs:
+        x = torch.randn(S, H, generator=g).to(dtype)
+        ids = torch.rand(S, E, generator=g).topk(topk, dim=-1)[1]
+        wts = torch.rand(S, topk, generator=g).to(dtype)
+
+        def loop():  # models/deepseek.py's MoE loop
+            y = torch.zeros_like(x)
+            for i in range(E):
+                idx, top = torch.where(ids == i)
+                h = x[idx]
+                h = F.silu(F.linear(h, w1[i])) * F.linear(h, w3[i])
+                y.index_add_(0, idx, F.linear(h, w2[i]) * wts[idx, top, None])
+            return y
+
+        def fused():
+            return ops.moe_experts(x, ids, wts, w1, w3, w2, None, None, None, 128, 128)
+
+        a, b = measure(loop), measure(fused)
+        row(S, a[0], b[0], _gb(a[1]), _gb(b[1]), _gb(a[2]), _gb(b[2]))
+
+
+def main():
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # big blocks straight from (and back to) the OS, so RSS shows each case's peak
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    print(f"# DeepSeek fast paths on CPU ({torch.get_num_threads()} threads, torch {torch.__version__}, bf16)")
+    if a.quick:
+        bench_sparse(a.seqs, a.topk, 2, dtype)
+        bench_mla_decode(a.seqs, 2, dtype)
+        bench_moe(a.seqs, 8, 2, 64, 32, dtype)
+        return
+    bench_fp8(a.seqs[:1] + a.seqs[-1:], dtype)
+    bench_sparse(a.seqs, a.topk, a.heads, dtype)
+    bench_mla_decode(a.seqs, 16, dtype)
+    bench_moe(a.seqs, 64, 8, 1024, 256, dtype)
+
+
+if __name__ == "__main__":
+    main()

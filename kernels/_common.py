@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,3 +40,8 @@ def as_rows(kernel: str, name: str, t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:
         raise KernelInputError(f"{kernel}: {name} with shape {tuple(t.shape)} and strides "
                                f"{tuple(t.stride())} cannot be viewed as rows; call .contiguous() first")
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for Triton's interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

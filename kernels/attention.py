@@ -20,23 +20,16 @@ Three implementations of the same function:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check, check_float, next_pow2
+from ._flash import dot, normalise, softmax_step
+from ._common import FLOAT_DTYPES, check, check_float, interpreted, next_pow2
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -87,7 +80,7 @@ def _attention_fwd(
         col_ok = offs_n < seq_k
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
-        s = _dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
@@ -101,28 +94,16 @@ def _attention_fwd(
             keep = keep & (mkeep != 0)
         s = tl.where(keep, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows with nothing kept so far: subtract 0, not -inf, so exp gives 0 and not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < head_dv), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    # a row with no key kept: 0/0 = NaN as in eager softmax, or 0 as SDPA gives
-    l_div = tl.where(row_ok, l_i, 1.0)
-    if ZERO_EMPTY_ROWS:
-        l_div = tl.where(l_div == 0.0, 1.0, l_div)
-    out = acc / l_div[:, None]
+    out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
@@ -188,7 +169,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
         # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=_interpreted() and q.dtype == torch.bfloat16,
+        DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
     return out

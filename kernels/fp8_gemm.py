@@ -52,14 +52,13 @@ the unit roundoff of x's dtype (2^-24 fp32, 2^-8 bf16, 2^-11 fp16):
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, check, check_float
+from ._common import as_rows, check, check_float, interpreted
 
 NAME = "fp8_gemm"
 
@@ -151,9 +150,6 @@ def _fp8_gemm_fwd(
     tl.store(Y + rows64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _is_block(b) -> bool:
@@ -255,7 +251,7 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
         FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=plan["FP8_DOT"],
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
         # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
-        UPCAST=x.dtype == torch.float32 or (_interpreted() and x.dtype == torch.bfloat16),
+        UPCAST=x.dtype == torch.float32 or (interpreted() and x.dtype == torch.bfloat16),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
     )

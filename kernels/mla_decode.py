@@ -37,13 +37,13 @@ P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_float, next_pow2
+from ._flash import dot, normalise, softmax_step
+from ._common import check, check_float, interpreted, next_pow2
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -59,13 +59,6 @@ DEFAULT_CONFIGS = {
     # 0-8 B spilled; 2 stages spilled ~30 B, BLOCK_H=64 ~600 B. Not timed on a GPU yet.
     "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
 }
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -140,8 +133,8 @@ def _mla_fwd(
                     mask=col_ok[:, None] & r_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
         kp = tl.load(p_base + cols[None, :] * stride_pn + offs_p[:, None] * stride_pp,
                      mask=col_ok[None, :] & p_ok[:, None], other=0.0)  # (BLOCK_P, BLOCK_N)
-        s = _dot(ql, tl.trans(c), DOT_PRECISION, DOT_UPCAST)
-        s = (s + _dot(qp, kp, DOT_PRECISION, DOT_UPCAST)) * scale
+        s = dot(ql, tl.trans(c), DOT_PRECISION, DOT_UPCAST)
+        s = (s + dot(qp, kp, DOT_PRECISION, DOT_UPCAST)) * scale
         keep = col_ok[None, :] & row_ok[:, None]
         if MASK_KIND == 1:
             mval = tl.load(m_base + cols[None, :] * stride_mn, mask=keep, other=0.0)
@@ -151,26 +144,14 @@ def _mla_fwd(
             keep = keep & (mkeep != 0)
         s = tl.where(keep, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows with nothing kept so far: subtract 0, not -inf, so exp gives 0 and not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_PRECISION, DOT_UPCAST)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
+        acc = acc * alpha[:, None] + dot(p.to(c.dtype), c, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    # a row with no key kept: 0/0 = NaN as in eager softmax, or 0 as SDPA gives
-    l_div = tl.where(row_ok, l_i, 1.0)
-    if ZERO_EMPTY_ROWS:
-        l_div = tl.where(l_div == 0.0, 1.0, l_div)
-    out = acc / l_div[:, None]
+    out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
     tl.store(O + b * stride_ob + i * stride_om + heads[:, None] * stride_oh + offs_r[None, :] * stride_or,
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset,
@@ -250,7 +231,7 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
         # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=_interpreted() and q_latent.dtype == torch.bfloat16,
+        DOT_UPCAST=interpreted() and q_latent.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
     return out

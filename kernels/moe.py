@@ -27,13 +27,13 @@ Three implementations of the same function:
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_float
+from ._flash import dot
+from ._common import check, check_float, interpreted
 
 NAME = "moe"
 
@@ -48,13 +48,6 @@ DEFAULT_CONFIGS = {
     # 3 stages x (64x64 + 2 x 64x64) x 2 bytes = 72 KB of shared memory fits Ada and Hopper.
     "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
 }
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -114,11 +107,11 @@ def _moe_gate_up(
             # scale equals the dot on dequantised weights up to float32 accumulation order
             sg = _scale(S_G, base_sg, n0, k0, bn, bk, stride_sgn, stride_sgk)
             su = _scale(S_U, base_su, n0, k0, bn, bk, stride_sun, stride_suk)
-            acc_g += _dot(xt, wg.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sg
-            acc_u += _dot(xt, wu.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * su
+            acc_g += dot(xt, wg.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sg
+            acc_u += dot(xt, wu.to(X.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * su
         else:
-            acc_g += _dot(xt, wg, DOT_PRECISION, DOT_UPCAST)
-            acc_u += _dot(xt, wu, DOT_PRECISION, DOT_UPCAST)
+            acc_g += dot(xt, wg, DOT_PRECISION, DOT_UPCAST)
+            acc_u += dot(xt, wu, DOT_PRECISION, DOT_UPCAST)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     # h is stored by sorted row, so kernel 2 reads one expert's rows contiguously
     tl.store(Hb + offs_r[:, None] * stride_hm + offs_n[None, :] * stride_hn, h.to(Hb.dtype.element_ty),
@@ -161,18 +154,15 @@ def _moe_down(
         wd = _w_tile(W_D, base_d, offs_n, offs_k, hidden, inter, stride_dn, stride_dk)
         if FP8:
             sd = _scale(S_D, base_sd, n0, k0, bn, bk, stride_sdn, stride_sdk)
-            acc += _dot(ht, wd.to(Hb.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sd
+            acc += dot(ht, wd.to(Hb.dtype.element_ty), DOT_PRECISION, DOT_UPCAST) * sd
         else:
-            acc += _dot(ht, wd, DOT_PRECISION, DOT_UPCAST)
+            acc += dot(ht, wd, DOT_PRECISION, DOT_UPCAST)
     rw = tl.load(TW + (pair // top_k) * stride_tw_t + (pair % top_k) * stride_tw_k,
                  mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     tl.store(OUT + pair[:, None] * stride_op + offs_n[None, :] * stride_oh, acc,
              mask=row_ok[:, None] & (offs_n[None, :] < hidden))
 
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -346,7 +336,7 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits;
         # under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=_interpreted() and x.dtype == torch.bfloat16,
+        DOT_UPCAST=interpreted() and x.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
     _moe_gate_up[(n_tiles, triton.cdiv(I, BN))](

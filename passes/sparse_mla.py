@@ -117,7 +117,7 @@ def _scatter_selection(n, fill_pred, value):
         raise NotSelection("topk does not select over the key dim")
     if tuple(shape(idx)) != tuple(shape(topk_node)) or not maybe_same(shape(idx)[0], shape(full)[0]):
         raise NotSelection("the indices' shape does not match the mask's")
-    return topk_node, fill, tk.args[1]
+    return topk_node, fill, shape(topk_node)[-1]
 
 
 def _is_drop_fill(c) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .matching import CONVERT_OPS, Node, aten, dtype, is_op, shape
 
@@ -106,19 +107,20 @@ def _replay(chain: list[Node], top: Node, value: torch.Tensor) -> torch.Tensor:
 
 def _block_map(scale: Node, chain: list[Node], top: Node, N: int, K: int) -> tuple[int, int]:
     nb, kb = shape(scale)
-    probe = torch.arange(1, nb * kb + 1, dtype=torch.float32).view(nb, kb)  # distinct, exact in fp32
-    try:
-        expanded = _replay(chain, top, probe)
-    except Exception as e:  # an op that cannot run on a plain tensor: not provable here
-        raise NotDequant(f"could not evaluate the scale expansion: {type(e).__name__}: {e}") from e
-    if tuple(expanded.shape) != (N, K):
-        raise NotDequant(f"the expanded scales have shape {list(expanded.shape)}, the weight {[N, K]}")
-    for bn in _candidates(N, nb):
-        for bk in _candidates(K, kb):
-            rows = torch.arange(N) // bn
-            cols = torch.arange(K) // bk
-            if torch.equal(expanded, probe[rows[:, None], cols[None, :]]):
-                return bn, bk
+    with unset_fake_temporarily():  # real tensors, also when the pass runs under a fake mode
+        probe = torch.arange(1, nb * kb + 1, dtype=torch.float32).view(nb, kb)  # distinct, exact in fp32
+        try:
+            expanded = _replay(chain, top, probe)
+        except Exception as e:  # an op that cannot run on a plain tensor: not provable here
+            raise NotDequant(f"could not evaluate the scale expansion: {type(e).__name__}: {e}") from e
+        if tuple(expanded.shape) != (N, K):
+            raise NotDequant(f"the expanded scales have shape {list(expanded.shape)}, the weight {[N, K]}")
+        for bn in _candidates(N, nb):
+            for bk in _candidates(K, kb):
+                rows = torch.arange(N) // bn
+                cols = torch.arange(K) // bk
+                if torch.equal(expanded, probe[rows[:, None], cols[None, :]]):
+                    return bn, bk
     raise NotDequant(f"scales {[nb, kb]} are not expanded as power-of-two blocks over a [{N}, {K}] weight")
 
 

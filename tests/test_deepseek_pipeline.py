@@ -102,3 +102,21 @@ def test_transformers_eager_experts_are_captured_through_grouped_mm():
     assert m.config._experts_implementation == "eager"  # switched back after the call
     out = opt.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, m.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_models_deepseek_through_the_triton_kernels(interpret, monkeypatch):
+    """Every DeepSeek op runs its Triton kernel (interpreted) inside the compiled graphs."""
+    from metainfer import kernels
+
+    calls = {}
+    for mod in (kernels.fp8_gemm, kernels.moe, kernels.sparse_attention, kernels.mla_decode, kernels.attention):
+        real = mod.launch
+        monkeypatch.setattr(mod, "launch", lambda *a, _real=real, _name=mod.NAME, **k:
+                            calls.__setitem__(_name, calls.get(_name, 0) + 1) or _real(*a, **k))
+    m = models.build("deepseek-v32-tiny-fp8")
+    (ids,) = models.example_inputs("deepseek-v32-tiny-fp8", batch=2, seq=8)
+    opt = metainfer.optimize(m, "cpu", lowering="aot_eager")
+    ref, out = _teacher_forced(m, ids), _teacher_forced(opt, ids)
+    assert mismatch(ref, out) is None, mismatch(ref, out)
+    # prefill: sparse attention over the decompressed cache; decode steps: absorbed MLA
+    assert set(calls) == {"fp8_gemm", "moe", "sparse_attention", "mla_decode"}, calls

@@ -205,9 +205,11 @@ def _pays(site) -> tuple[bool, str]:
     naive = 2 * B * T * R * H * (nope + dv) + 2 * B * H * S * T * (nope + P + dv)
     absorbed = 2 * B * H * S * R * (nope + dv) + 2 * B * H * S * T * (2 * R + P)
     kv_bytes = B * T * H * (nope + dv) * dtype(site["latent"]).itemsize
-    why = (f"{S} queries x {T} cached tokens, {H} heads, latent {R}: {absorbed / 1e6:.3g} vs "
-           f"{naive / 1e6:.3g} MFLOP decompressed; no {kv_bytes}-byte K/V decompression")
-    return absorbed < naive, why
+    pays = absorbed < naive
+    why = (f"{S} queries x {T} cached tokens, {H} heads, latent {R}: absorbed {absorbed / 1e6:.3g} vs "
+           f"decompressed {naive / 1e6:.3g} MFLOP" +
+           (f"; no {kv_bytes}-byte K/V decompression per step" if pays else ": decompressing is cheaper"))
+    return pays, why
 
 
 # ---- rewrite --------------------------------------------------------------------------------

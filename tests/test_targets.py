@@ -5,7 +5,7 @@ import pytest
 from metainfer import targets
 from metainfer.targets import TargetError
 
-REQUIRED = {"cpu", "cuda", "pcie4", "pcie8", "nvlink8"}
+REQUIRED = {"cpu", "cuda", "pcie4", "pcie8", "pcie8-nop2p", "pcie8-gen5", "nvlink8"}
 
 
 def test_builtins():
@@ -16,6 +16,9 @@ def test_builtins():
     assert p8.topology.inter_island.bandwidth < p8.topology.intra_island.bandwidth
     assert targets.get("nvlink8").topology.intra_island.bandwidth > 10 * p8.topology.intra_island.bandwidth
     assert targets.get("cpu").device.kind == "cpu"
+    nop2p, gen5 = targets.get("pcie8-nop2p"), targets.get("pcie8-gen5")
+    assert not nop2p.topology.p2p and nop2p.topology.intra_island.bandwidth < p8.topology.intra_island.bandwidth
+    assert gen5.topology.p2p and gen5.topology.intra_island.bandwidth > p8.topology.intra_island.bandwidth
 
 
 def test_every_number_cites_a_source():

@@ -1,0 +1,161 @@
+"""Cost model, part one: collectives on a target's topology (alpha-beta).
+
+Every algorithm is priced as a sequence of steps; a step costs the latency of the slowest
+link it uses plus the bytes its busiest link carries over that link's bandwidth. Links come
+from the target: `intra_island` between devices of one island (PCIe switch / NUMA domain),
+`inter_island` between islands (the slow boundary on a 2 x 4 PCIe box). Devices are taken
+in rank order, islands as the target lists them. Bytes sent inside islands and across the
+boundary are counted separately (summed over all ranks), so passes and reports can show what
+crosses the slow link.
+
+Algorithms (message size `nbytes` is one rank's buffer; for all-gather the gathered output,
+for reduce-scatter the unreduced input):
+- all_reduce: `ring` (flat ring over all ranks, NCCL's default: 2(n-1) steps of nbytes/n),
+  `two_shot` (reduce-scatter then all-gather, each as one direct exchange with every peer:
+  2 steps), `one_shot` (every rank reads every peer's whole buffer and reduces: 1 step,
+  needs P2P), `hierarchical` (ring reduce-scatter inside each island, ring all-reduce of the
+  shard across islands (the island's k rings share the boundary link), ring all-gather inside);
+- all_gather, reduce_scatter: `ring`;
+- all_to_all: `direct` (each rank sends nbytes/n to every peer in one step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metainfer.targets import Target
+
+ALGORITHMS = {
+    "all_reduce": ("ring", "two_shot", "one_shot", "hierarchical"),
+    "all_gather": ("ring",),
+    "reduce_scatter": ("ring",),
+    "all_to_all": ("direct",),
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    kind: str
+    algorithm: str
+    nbytes: float
+    ranks: int
+    seconds: float
+    bytes_intra: float  # bytes sent over links inside islands, all ranks together
+    bytes_inter: float  # bytes sent across island boundaries, all ranks together
+    steps: int
+
+    def __str__(self) -> str:
+        return (f"{self.kind} {self.algorithm}: {self.seconds * 1e6:.1f} us, {self.bytes_inter / 2**20:.2f} MiB "
+                f"across islands, {self.bytes_intra / 2**20:.2f} MiB inside")
+
+
+class _Topo:
+    """The group's shape: n ranks in m islands of k each, and the two link classes."""
+
+    def __init__(self, target: Target, ranks: int | None):
+        islands = target.topology.islands
+        n = target.num_devices if ranks is None else ranks
+        if n < 1 or n > target.num_devices:
+            raise ValueError(f"ranks must be in 1..{target.num_devices} for target {target.name!r}, got {n}")
+        if ranks is not None and ranks != target.num_devices:
+            # a sub-group of the first `ranks` devices: the islands it touches
+            members = set(range(n))
+            islands = tuple(tuple(d for d in isl if d in members) for isl in islands)
+            islands = tuple(isl for isl in islands if isl)
+        sizes = {len(i) for i in islands}
+        if len(sizes) != 1:
+            raise ValueError(f"islands of different sizes {sorted(sizes)}: the model assumes equal islands")
+        self.n, self.m, self.k = n, len(islands), sizes.pop()
+        intra = target.topology.intra_island
+        inter = target.topology.inter_island or intra
+        self.bw_i, self.lat_i = intra.bandwidth, intra.latency_s
+        self.bw_x, self.lat_x = (inter.bandwidth, inter.latency_s) if self.m > 1 else (intra.bandwidth, intra.latency_s)
+        self.p2p = target.topology.p2p
+
+    @property
+    def slowest(self) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link a flat ring crosses."""
+        return min(self.bw_i, self.bw_x), max(self.lat_i, self.lat_x)
+
+
+def _ring(kind, algorithm, nbytes, t: _Topo, steps: int) -> CollectiveCost:
+    """`steps` ring steps of nbytes/n per rank; the ring crosses the boundary m times (m > 1)."""
+    n = t.n
+    chunk = nbytes / n
+    bw, lat = t.slowest
+    crossing = t.m if t.m > 1 else 0
+    return CollectiveCost(kind, algorithm, nbytes, n, steps * (lat + chunk / bw),
+                          bytes_intra=(n - crossing) * steps * chunk, bytes_inter=crossing * steps * chunk, steps=steps)
+
+
+def _exchange(t: _Topo, per_peer: float) -> tuple[float, float, float]:
+    """One step where every rank sends `per_peer` bytes to each other rank: (seconds, bytes
+    inside islands, bytes across). A rank's own link carries its n-1 messages; the boundary
+    link between two islands carries k x k of them each way."""
+    n, k, m = t.n, t.k, t.m
+    inside, across = n * (k - 1) * per_peer, n * (n - k) * per_peer
+    own = (n - 1) * per_peer / t.bw_i
+    boundary = (k * k * per_peer / t.bw_x) if m > 1 else 0.0
+    lat = t.lat_x if m > 1 else t.lat_i
+    return lat + max(own, boundary), inside, across
+
+
+def collective_cost(kind: str, nbytes: float, target: Target, algorithm: str | None = None,
+                    ranks: int | None = None) -> CollectiveCost:
+    """Predicted time and traffic of one collective of `nbytes` (see the module docstring)."""
+    if kind not in ALGORITHMS:
+        raise ValueError(f"unknown collective {kind!r}; known: {', '.join(ALGORITHMS)}")
+    algorithm = algorithm or ALGORITHMS[kind][0]
+    if algorithm not in ALGORITHMS[kind]:
+        raise ValueError(f"{kind} has no algorithm {algorithm!r}; known: {', '.join(ALGORITHMS[kind])}")
+    if not nbytes >= 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    t = _Topo(target, ranks)
+    n = t.n
+    if n == 1 or nbytes == 0:
+        return CollectiveCost(kind, algorithm, nbytes, n, 0.0, 0.0, 0.0, 0)
+    if algorithm == "one_shot" and not t.p2p:
+        raise ValueError(f"one_shot needs GPU peer-to-peer access, which target {target.name!r} does not have")
+    if kind in ("all_gather", "reduce_scatter"):
+        return _ring(kind, algorithm, nbytes, t, n - 1)
+    if kind == "all_to_all":
+        sec, inside, across = _exchange(t, nbytes / n)
+        return CollectiveCost(kind, algorithm, nbytes, n, sec, inside, across, 1)
+    if algorithm == "ring":
+        return _ring(kind, algorithm, nbytes, t, 2 * (n - 1))
+    if algorithm == "two_shot":
+        sec, inside, across = _exchange(t, nbytes / n)
+        return CollectiveCost(kind, algorithm, nbytes, n, 2 * sec, 2 * inside, 2 * across, 2)
+    if algorithm == "one_shot":
+        sec, inside, across = _exchange(t, nbytes)
+        return CollectiveCost(kind, algorithm, nbytes, n, sec, inside, across, 1)
+    # hierarchical: ring RS inside islands, ring AR of the shard across, ring AG inside
+    k, m = t.k, t.m
+    shard = nbytes / k
+    inside_steps = 2 * (k - 1)
+    sec = inside_steps * (t.lat_i + shard / t.bw_i)
+    bytes_intra = n * inside_steps * shard if k > 1 else 0.0
+    bytes_inter = 0.0
+    if m > 1:
+        across_steps = 2 * (m - 1)
+        piece = shard / m
+        # k rings (one per local rank) cross the same boundary link at once
+        sec += across_steps * (t.lat_x + k * piece / t.bw_x)
+        bytes_inter = n * across_steps * piece
+    return CollectiveCost(kind, algorithm, nbytes, n, sec, bytes_intra, bytes_inter,
+                          inside_steps + (2 * (m - 1) if m > 1 else 0))
+
+
+def candidates(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> list[CollectiveCost]:
+    """Every algorithm the target allows for this collective, priced."""
+    out = []
+    for alg in ALGORITHMS[kind]:
+        if alg == "one_shot" and not target.topology.p2p:
+            continue
+        out.append(collective_cost(kind, nbytes, target, alg, ranks))
+    return out
+
+
+def best(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> CollectiveCost:
+    """The fastest allowed algorithm (ties: the first listed, i.e. the library default)."""
+    return min(candidates(kind, nbytes, target, ranks), key=lambda c: c.seconds)

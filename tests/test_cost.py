@@ -1,0 +1,105 @@
+"""The collective cost model: formulas against hand-computed cases, and the properties any
+alpha-beta model must have (hypothesis)."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from metainfer import cost, targets
+
+MiB = 2**20
+
+
+def with_links(t, intra_bw=None, inter_bw=None, lat=None):
+    topo = t.topology
+    intra = dataclasses.replace(topo.intra_island, **({"bandwidth": intra_bw} if intra_bw else {}),
+                                **({"latency_s": lat} if lat is not None else {}))
+    inter = topo.inter_island and dataclasses.replace(topo.inter_island, **({"bandwidth": inter_bw} if inter_bw else {}),
+                                                      **({"latency_s": lat} if lat is not None else {}))
+    return dataclasses.replace(t, topology=dataclasses.replace(topo, intra_island=intra, inter_island=inter))
+
+
+def test_ring_all_reduce_on_pcie8_by_hand():
+    t = targets.get("pcie8")  # intra 26 GB/s / 40 us, inter 10 GB/s / 40 us, 2 x 4
+    c = cost.collective_cost("all_reduce", 8 * MiB, t, "ring")
+    step = 40e-6 + (8 * MiB / 8) / 10e9  # the ring's slowest link is the boundary
+    assert c.steps == 14 and c.seconds == pytest.approx(14 * step)
+    assert c.bytes_inter == pytest.approx(2 * 14 * MiB)  # 2 crossing edges x 14 steps x 1 MiB
+    assert c.bytes_intra == pytest.approx(6 * 14 * MiB)
+
+
+def test_hierarchical_all_reduce_on_pcie8_by_hand():
+    t = targets.get("pcie8")
+    M = 8 * MiB
+    c = cost.collective_cost("all_reduce", M, t, "hierarchical")
+    inside = 6 * (40e-6 + (M / 4) / 26e9)  # RS + AG rings of 4 inside each island
+    across = 2 * (40e-6 + 4 * (M / 8) / 10e9)  # 4 rings of 2 share the boundary link
+    assert c.seconds == pytest.approx(inside + across)
+    assert c.bytes_inter == pytest.approx(2 * M)  # every rank sends its M/8 piece across, twice
+    ring = cost.collective_cost("all_reduce", M, t, "ring")
+    assert c.bytes_inter / ring.bytes_inter == pytest.approx(4 / 7)  # 2M vs 2 x 14 x M/8
+
+
+def test_one_shot_needs_p2p_and_wins_for_small_messages():
+    t = targets.get("pcie8")
+    small = {c.algorithm: c for c in cost.candidates("all_reduce", 4096, t)}
+    assert cost.best("all_reduce", 4096, t).algorithm == "one_shot"
+    assert small["one_shot"].steps == 1 and small["ring"].steps == 14
+    nop2p = targets.get("pcie8-nop2p")
+    assert "one_shot" not in {c.algorithm for c in cost.candidates("all_reduce", 4096, nop2p)}
+    with pytest.raises(ValueError, match="peer-to-peer"):
+        cost.collective_cost("all_reduce", 4096, nop2p, "one_shot")
+
+
+def test_all_gather_reduce_scatter_all_to_all_by_hand():
+    t = targets.get("pcie4")  # one island, 26 GB/s, 40 us
+    ag = cost.collective_cost("all_gather", 4 * MiB, t)
+    assert ag.seconds == pytest.approx(3 * (40e-6 + MiB / 26e9)) and ag.bytes_inter == 0
+    assert cost.collective_cost("reduce_scatter", 4 * MiB, t).seconds == ag.seconds
+    a2a = cost.collective_cost("all_to_all", 4 * MiB, t)
+    assert a2a.seconds == pytest.approx(40e-6 + 3 * MiB / 26e9) and a2a.bytes_intra == pytest.approx(12 * MiB)
+
+
+def test_single_rank_and_bad_input():
+    assert cost.collective_cost("all_reduce", MiB, targets.get("cpu")).seconds == 0
+    with pytest.raises(ValueError, match="unknown collective"):
+        cost.collective_cost("broadcast", MiB, targets.get("pcie8"))
+    with pytest.raises(ValueError, match="no algorithm"):
+        cost.collective_cost("all_gather", MiB, targets.get("pcie8"), "hierarchical")
+    with pytest.raises(ValueError, match="ranks"):
+        cost.collective_cost("all_reduce", MiB, targets.get("pcie8"), ranks=9)
+
+
+KINDS = [(k, a) for k, algs in cost.ALGORITHMS.items() for a in algs]
+TARGETS = ["pcie8", "pcie8-nop2p", "pcie8-gen5", "pcie4", "nvlink8"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(KINDS), st.sampled_from(TARGETS), st.floats(0, 1e9), st.floats(1.0, 4.0))
+def test_more_bytes_never_faster(kind_alg, name, nbytes, factor):
+    kind, alg = kind_alg
+    t = targets.get(name)
+    if alg == "one_shot" and not t.topology.p2p:
+        return
+    a = cost.collective_cost(kind, nbytes, t, alg)
+    b = cost.collective_cost(kind, nbytes * factor, t, alg)
+    assert b.seconds >= a.seconds and b.bytes_inter >= a.bytes_inter
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1, 1e9), st.sampled_from([2, 4, 8]))
+def test_one_island_hierarchical_is_the_flat_ring(nbytes, ranks):
+    t = targets.get("nvlink8")  # one island of 8
+    h = cost.collective_cost("all_reduce", nbytes, t, "hierarchical", ranks=ranks)
+    r = cost.collective_cost("all_reduce", nbytes, t, "ring", ranks=ranks)
+    assert h.seconds == pytest.approx(r.seconds) and h.bytes_inter == r.bytes_inter == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(KINDS), st.floats(1, 1e9))
+def test_infinite_bandwidth_leaves_latency(kind_alg, nbytes):
+    kind, alg = kind_alg
+    t = with_links(targets.get("pcie8"), intra_bw=1e300, inter_bw=1e300)
+    c = cost.collective_cost(kind, nbytes, t, alg)
+    assert c.seconds == pytest.approx(c.steps * 40e-6, rel=1e-9)

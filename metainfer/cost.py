@@ -1,4 +1,5 @@
-"""Cost model, part one: collectives on a target's topology (alpha-beta).
+"""Cost model: collectives on a target's topology (alpha-beta), and compute ops from the fake
+tensors of a graph's nodes (roofline).
 
 Every algorithm is priced as a sequence of steps; a step costs the latency of the slowest
 link it uses plus the bytes its busiest link carries over that link's bandwidth. Links come
@@ -21,7 +22,11 @@ for reduce-scatter the unreduced input):
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
+
+import torch
 
 from metainfer.targets import Target
 
@@ -159,3 +164,119 @@ def candidates(kind: str, nbytes: float, target: Target, ranks: int | None = Non
 def best(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> CollectiveCost:
     """The fastest allowed algorithm (ties: the first listed, i.e. the library default)."""
     return min(candidates(kind, nbytes, target, ranks), key=lambda c: c.seconds)
+
+
+# ---- part two: compute ops, from the fake tensors of a graph's nodes ------------------------
+
+_VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
+          "transpose", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind", "sym_size",
+          "sym_numel", "sym_stride", "getitem"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", "any", "all", "argmax", "argmin",
+               "cumsum", "topk", "sort", "softmax", "_softmax", "log_softmax", "_log_softmax"}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float
+    bytes: float
+    seconds: float
+    bound: str  # "compute", "memory", "launch" or "free" (views)
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+
+
+def _tensors(vals):
+    out = []
+    for v in vals:
+        if isinstance(v, (list, tuple)):
+            out.extend(_tensors(v))
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+def _size(x) -> float:
+    """A size as a number; symbolic sizes at their hint (an estimate, never a guard)."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return float(hint) if hint is not None else 1.0
+    return float(x)
+
+
+def _numel(t: torch.Tensor) -> float:
+    return math.prod(_size(s) for s in t.shape)
+
+
+def _nbytes(t: torch.Tensor) -> float:
+    return _numel(t) * t.element_size()
+
+
+def _peak_key(dtype: torch.dtype) -> str:
+    if dtype in (torch.bfloat16,):
+        return "bf16"
+    if dtype in (torch.float16,):
+        return "fp16"
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return "fp8"
+    return "fp32"
+
+
+def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None]:
+    """(FLOPs, dtype key for the peak) of known ops; (0, None) where priced by bytes."""
+    a = [_val(x) if isinstance(x, torch.fx.Node) else x for x in args]
+    if ns == "aten" and name in ("mm", "addmm", "bmm", "baddbmm"):
+        x, w = (a[1], a[2]) if name in ("addmm", "baddbmm") else (a[0], a[1])
+        return 2 * _numel(out[0]) * _size(x.shape[-1]), _peak_key(x.dtype)
+    if ns == "metainfer" and name == "fp8_linear":
+        x, w, act_quant = a[0], a[1], a[6]
+        return 2 * _numel(out[0]) * _size(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
+    if ns == "metainfer" and name in ("attention", "sparse_attention"):
+        q, k, v = a[0], a[1], a[2]
+        B, H, Sq, D = (_size(s) for s in q.shape)
+        keys = _size(k.shape[2]) if name == "attention" else _size(a[3].shape[-1])
+        frac = 0.5 if name == "attention" and a[5] and Sq > 1 else 1.0  # causal: about half the matrix
+        return 2 * B * H * Sq * keys * (D + _size(v.shape[-1])) * frac, _peak_key(q.dtype)
+    if ns == "metainfer" and name == "mla_decode":
+        ql, qp, c, idx = a[0], a[1], a[2], a[4]
+        B, H, Sq, R = (_size(s) for s in ql.shape)
+        keys = _size(c.shape[1]) if idx is None else _size(idx.shape[-1])
+        return 2 * B * H * Sq * keys * (2 * R + _size(qp.shape[-1])), _peak_key(ql.dtype)
+    if ns == "metainfer" and name == "moe_experts":
+        x, ids, wg, wd = a[0], a[1], a[3], a[5]
+        pairs = _numel(ids)
+        return 2 * pairs * 3 * _size(wg.shape[1]) * _size(wg.shape[2]), _peak_key(x.dtype)
+    return 0.0, None
+
+
+def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
+    """FLOPs, bytes moved and predicted seconds of one call_function node on one device of
+    `target`: max(FLOPs / peak, bytes / bandwidth) + launch overhead. Matmuls, the attention
+    family and metainfer's fused ops are priced by their FLOPs; pointwise ops at one FLOP and
+    reductions at one per input element; anything else by its bytes. Views are free."""
+    if node.op != "call_function":
+        return OpCost(0.0, 0.0, 0.0, "free")
+    target_fn = node.target
+    if target_fn is operator.getitem:
+        return OpCost(0.0, 0.0, 0.0, "free")
+    packet = getattr(target_fn, "overloadpacket", None)
+    name = getattr(packet, "__name__", getattr(target_fn, "__name__", str(target_fn)))
+    ns = getattr(packet, "_qualified_op_name", "aten::x").split("::")[0] if packet is not None else "python"
+    if name in _VIEWS or ns == "python":
+        return OpCost(0.0, 0.0, 0.0, "free")
+    ins = _tensors([_val(x) for x in node.all_input_nodes])
+    out = _tensors([node.meta.get("val")])
+    nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in out)
+    flops, key = _flops(name, ns, list(node.args), out)
+    if key is None:
+        elems = sum(_numel(t) for t in out)
+        flops = sum(_numel(t) for t in ins) if name in _REDUCTIONS else elems
+        key = _peak_key(out[0].dtype) if out else "fp32"
+    dev = target.device
+    compute, memory = flops / dev.peak_flops[key], nbytes / dev.memory_bandwidth
+    body = max(compute, memory)
+    bound = "compute" if compute >= memory else "memory"
+    if dev.launch_overhead_s > body:
+        bound = "launch"
+    return OpCost(flops, nbytes, body + dev.launch_overhead_s, bound)

@@ -103,3 +103,50 @@ def test_infinite_bandwidth_leaves_latency(kind_alg, nbytes):
     t = with_links(targets.get("pcie8"), intra_bw=1e300, inter_bw=1e300)
     c = cost.collective_cost(kind, nbytes, t, alg)
     assert c.seconds == pytest.approx(c.steps * 40e-6, rel=1e-9)
+
+
+# ---- compute ops --------------------------------------------------------------------------
+
+import torch  # noqa: E402
+
+from metainfer.testing import capture_graph, run_pass  # noqa: E402
+
+
+def _nodes(gm, name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def test_matmul_pointwise_reduction_and_views_by_hand():
+    t = targets.get("pcie8")  # bf16 362 TFLOP/s, 864 GB/s, 4 us launch
+    gm, _ = capture_graph(lambda x, w: torch.relu(x @ w.t()).sum(-1),
+                          torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(1024, 512, dtype=torch.bfloat16))
+    (mm,) = _nodes(gm, "aten.mm")
+    c = cost.op_cost(mm, t)
+    flops, nbytes = 2 * 256 * 1024 * 512, 2 * (256 * 512 + 1024 * 512 + 256 * 1024)
+    assert c.flops == flops and c.bytes == nbytes
+    assert c.seconds == pytest.approx(max(flops / 362e12, nbytes / 864e9) + 4e-6)
+    (relu,) = _nodes(gm, "relu")
+    assert cost.op_cost(relu, t).flops == 256 * 1024 and cost.op_cost(relu, t).bound == "launch"
+    (perm,) = _nodes(gm, "permute")
+    assert cost.op_cost(perm, t).seconds == 0
+
+
+def test_fused_attention_is_priced_by_its_flops():
+    B, H, S, D = 1, 8, 1024, 128
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))
+    gm, _ = capture_graph(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) * 0.1, -1) @ v, q, k, v)
+    after, rec = run_pass("fuse_attention", gm)
+    (att,) = _nodes(after, "metainfer.attention")
+    c = cost.op_cost(att, targets.get("pcie8"))
+    assert c.flops == 2 * B * H * S * S * 2 * D and c.bound == "compute"
+    assert c.bytes == 4 * B * H * S * D * 2  # q, k, v read, out written: never the S x S scores
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(16, 64), st.integers(16, 64), st.integers(16, 64))  # small dims decompose to mul+sum
+def test_bigger_matmul_never_cheaper(m, n, k):
+    t = targets.get("pcie8")
+    small, _ = capture_graph(lambda a, b: a @ b, torch.randn(m, k), torch.randn(k, n))
+    big, _ = capture_graph(lambda a, b: a @ b, torch.randn(2 * m, k), torch.randn(k, n))
+    cs, cb = (cost.op_cost(_nodes(g, "aten.mm")[0], t) for g in (small, big))
+    assert cb.seconds >= cs.seconds and cb.flops == 2 * cs.flops

@@ -56,6 +56,12 @@ def find_dequant(out: Node) -> Dequant | None:
     nodes = set()
     n = out
     while is_op(n, *CONVERT_OPS):
+        # only casts to float dtypes at least as wide as the result: a narrowing or integer
+        # cast in between would round or overflow the dequantised weight
+        inner = dtype(n.args[0])
+        if not (inner is not None and inner.is_floating_point and inner not in FP8_DTYPES
+                and inner.itemsize >= dtype(out).itemsize):
+            return None
         nodes.add(n)
         n = n.args[0]
     if not is_op(n, aten.mul) or not all(isinstance(a, Node) for a in n.args[:2]):
@@ -69,7 +75,8 @@ def find_dequant(out: Node) -> Dequant | None:
             break
     else:
         return None
-    if dtype(mul) != torch.float32 or not (is_op(w_side, *CONVERT_OPS) and w_side.args[0] is w):
+    if dtype(mul) != torch.float32 or not (is_op(w_side, *CONVERT_OPS) and w_side.args[0] is w
+                                           and dtype(w_side) == torch.float32):
         raise NotDequant("the FP8 weight is not upcast to float32 once before the scale multiply")
     nodes.add(w_side)
     N, K = s_out

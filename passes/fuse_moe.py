@@ -151,13 +151,13 @@ def _check_kernel_limits(site: Site) -> None:
         raise NearMiss(f"expert ids of dtype {dtype(site.ids)}")
     if not isinstance(K, int) or not isinstance(E, int) or not 1 <= K <= E:
         raise NearMiss(f"top-k {K} of {E} experts: the kernel needs 1 <= k <= experts")
-    wd = dtype(site.down)
-    if site.scales[0] is not None:
-        if wd not in KERNEL_FP8:
-            raise NearMiss(f"FP8 format {wd} is not supported by the kernel (supported: "
-                           f"{', '.join(map(str, KERNEL_FP8))})")
-    elif wd != dtype(site.x):
-        raise NearMiss(f"expert weights {wd} and activations {dtype(site.x)} differ in dtype")
+    for wd in {dtype(site.gate[0]), dtype(site.up[0]), dtype(site.down)}:
+        if site.scales[0] is not None:
+            if wd not in KERNEL_FP8:
+                raise NearMiss(f"FP8 format {wd} is not supported by the kernel (supported: "
+                               f"{', '.join(map(str, KERNEL_FP8))})")
+        elif wd != dtype(site.x):
+            raise NearMiss(f"expert weights {wd} and activations {dtype(site.x)} differ in dtype")
 
 
 # ---- form: DeepSeek's loop over experts ------------------------------------------------
@@ -316,7 +316,9 @@ def _assertions_on(n: Node) -> list[Node]:
 
 def _match_combine(total: Node) -> Site | None:
     """sum(view(per_pair_out, (T, K, H)), [1]): the weighted combine both HF forms end with."""
-    if list(total.args[1]) != [1] or len(total.args) > 2 and total.args[2]:
+    if len(total.args) < 2 or not isinstance(total.args[1], (list, tuple)) or list(total.args[1]) != [1]:
+        return None
+    if (len(total.args) > 2 and total.args[2]) or total.kwargs.get("dtype") is not None:
         return None
     v = total.args[0]
     if not is_op(v, *VIEW_OPS) or shape(v) is None or len(shape(v)) != 3:
@@ -352,6 +354,8 @@ def _is_grouped_mm(n) -> bool:
 
 def _match_grouped(total, v, back, tkh) -> Site | None:
     T, K, H = tkh
+    if len(back.args[1]) != 1:
+        return None
     mul, (inv,) = back.args[0], back.args[1]
     if not is_op(mul, aten.mul):
         return None
@@ -369,6 +373,8 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     if not (perm.target is operator.getitem and perm.args[1] == 1 and is_op(perm.args[0], aten.sort)):
         raise NearMiss("the grouping permutation is not a sort of the expert ids")
     srt = perm.args[0]
+    if not _ascending(srt):
+        raise NearMiss("the expert ids are not sorted ascending (offsets count experts 0..E-1 in order)")
     ids = _flat_of(srt.args[0], T, K)
     if wts is None or ids is None:
         raise NearMiss("routing tensors are not (tokens, k)")
@@ -402,6 +408,17 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     _exclusive(region, keep=total)
     _check_kernel_limits(site)
     return site
+
+
+def _ascending(srt: Node) -> bool:
+    """sort(x) / sort(x, dim, descending=False) / sort.stable(x, ...) over the only dim."""
+    args = list(srt.args) + [None] * 3
+    if srt.target is aten.sort.stable:
+        desc, dim = srt.kwargs.get("descending", False), srt.kwargs.get("dim", -1)
+    else:
+        dim = args[1] if args[1] is not None else srt.kwargs.get("dim", -1)
+        desc = args[2] if args[2] is not None else srt.kwargs.get("descending", False)
+    return not desc and dim in (-1, 0)
 
 
 def _through_convert(n: Node) -> Node:

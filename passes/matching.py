@@ -395,8 +395,10 @@ def linear_operands(node: Node) -> "tuple[Any, Node, Any] | None":
         return node.args[1], node.args[2], bias
     if is_op(node, aten.bmm):
         w = node.args[1]
-        while is_op(w, *VIEW_OPS) and ndim(w) == 3:
+        # views that keep (batch, K, N) as they are, down to an expand of the 2-D weight
+        while is_op(w, *VIEW_OPS) and ndim(w.args[0]) == 3 and same_shape(shape(w), shape(w.args[0])):
             w = w.args[0]
-        if is_op(w, aten.expand) and ndim(w.args[0]) == 2 and same_shape(shape(w)[1:], shape(w.args[0])):
+        if (is_op(w, aten.expand) and ndim(w.args[0]) == 2 and same_shape(shape(w)[1:], shape(w.args[0]))
+                and same_shape(shape(w), shape(node.args[1]))):
             return node.args[0], w.args[0], None
     return None

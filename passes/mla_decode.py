@@ -163,8 +163,8 @@ def _match(att: Node):
         return None
     W = wt.args[0]
     latent, lat_views = _strip(lat_flat, (*VIEW_OPS, aten.expand))
-    if shape(latent) is None or len(shape(latent)) not in (3, 4):
-        return None
+    if shape(latent) is None or len(shape(latent)) not in (3, 4) or (len(shape(latent)) == 4 and shape(latent)[1] != 1):
+        return None  # (B, T, R), or (B, 1, T, R) as transformers keeps it; not a paged layout
     R = shape(W)[1]
     H = shape(q)[1]
     nope, dv = shape(k_nope)[-1], shape(v)[-1]

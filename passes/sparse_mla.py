@@ -27,7 +27,9 @@ import torch
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import Pass, PassContext, PassResult, register
-from .matching import CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, shape
+from .matching import (
+    CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape,
+)
 
 _FLOOR = torch.finfo(torch.float16).min  # a fill at or below this drops a key exactly
 
@@ -57,14 +59,16 @@ class SparseMLA(Pass):
                 continue
             if found is None:
                 continue
-            idx, base, fill, topk = found
+            sel, base, fill = found
+            idx, topk = sel.idx, sel.k
+            B, _, Sq, _ = shape(q)
+            if not (same(sel.keys, shape(k)[2]) and maybe_same(shape(idx)[0], B) and maybe_same(shape(idx)[1], Sq)):
+                res.near_misses.append(f"{location(node)}: sparse attention not used: selection over "
+                                       f"{sel.keys} keys, indices {list(shape(idx))}, for q {list(shape(q))} "
+                                       f"and k {list(shape(k))}")
+                continue
             if base is not None and len(shape(base)) == 3:  # (B, S, T) from inside unsqueeze(., 1)
                 base = insert_call(graph, node, aten.unsqueeze.default, (base, 1))
-            B, _, Sq, _ = shape(q)
-            if not (maybe_same(shape(idx)[0], B) and maybe_same(shape(idx)[1], Sq)):
-                res.near_misses.append(f"{location(node)}: sparse attention not used: indices "
-                                       f"{list(shape(idx))} do not match queries {list(shape(q))}")
-                continue
             new = insert_call(graph, node, torch.ops.metainfer.sparse_attention.default,
                               (q, k, v, idx, base, scale, causal, offset, zero_empty, fill))
             node.replace_all_uses_with(new)
@@ -80,23 +84,31 @@ class SparseMLA(Pass):
 
 
 def _views(n):
-    """Look through unsqueeze(., 1) and expands that only broadcast (the selection is (B, S, T))."""
-    while is_op(n, aten.unsqueeze, aten.expand, *CONVERT_OPS):
-        if is_op(n, aten.unsqueeze) and n.args[1] != 1:
-            return n
-        if is_op(n, *CONVERT_OPS) and dtype(n) != dtype(n.args[0]):
-            return n
+    """(n without dtype-keeping casts, broadcasting expands and one unsqueeze(., 1), lifted):
+    `lifted` says a (B, S, T) tensor was lifted to (B, 1, S, T) on the way."""
+    lifted = False
+    while True:
+        if is_op(n, aten.unsqueeze) and n.args[1] == 1 and ndim(n.args[0]) == 3 and not lifted:
+            lifted = True
+        elif not (is_op(n, aten.expand) and ndim(n) == ndim(n.args[0])) and \
+                not (is_op(n, *CONVERT_OPS) and dtype(n) == dtype(n.args[0])):
+            return n, lifted
         n = n.args[0]
-    return n
 
 
-def _scatter_selection(n, fill_pred, value):
-    """(idx, fill, topk) if n is scatter(full((B, S, T), fill), -1, idx, value) with idx = topk
-    indices over T; None if n is not a scatter into a full; NotSelection if it is one but not a
-    pure top-k selection."""
-    n = _views(n)
+class Selection:
+    def __init__(self, idx, fill, k, lifted, keys):
+        self.idx, self.fill, self.k, self.lifted, self.keys = idx, fill, k, lifted, keys
+
+
+def _scatter_selection(n, fill_pred, value) -> Selection | None:
+    """scatter(full((B, S, T), fill), -1, idx, value) with idx = topk indices over T; None if n
+    is not a scatter into a full; NotSelection if it is one but not a pure top-k selection."""
+    n, lifted = _views(n)
     if not is_op(n, aten.scatter):
         return None
+    if n.target is not aten.scatter.value or n.kwargs.get("reduce") is not None:
+        raise NotSelection(f"{n.target} is not a plain scatter of one value (a reduce or a source tensor)")
     full, dim, idx, val = n.args[:4]
     if not (is_op(full, aten.full) and len(shape(full)) == 3):
         return None
@@ -117,7 +129,7 @@ def _scatter_selection(n, fill_pred, value):
         raise NotSelection("topk does not select over the key dim")
     if tuple(shape(idx)) != tuple(shape(topk_node)) or not maybe_same(shape(idx)[0], shape(full)[0]):
         raise NotSelection("the indices' shape does not match the mask's")
-    return topk_node, fill, shape(topk_node)[-1]
+    return Selection(topk_node, fill, shape(topk_node)[-1], lifted, shape(full)[-1])
 
 
 def _is_drop_fill(c) -> bool:
@@ -131,53 +143,78 @@ def _drop_selection(n):
 
 def _keep_selection(n):
     """~drop_selection, or scatter(full(False), -1, idx, True): True where selected."""
-    m = _views(n)
+    m, lifted = _views(n)
     if is_op(m, aten.bitwise_not, aten.logical_not):
-        return _drop_selection(m.args[0])
-    return _scatter_selection(m, lambda c: c is False, True)
+        sel = _drop_selection(m.args[0])
+    else:
+        sel = _scatter_selection(m, lambda c: c is False, True)
+    if sel is not None and lifted:
+        sel.lifted = None if sel.lifted else True  # None: lifted twice, not a (B, 1, S, T) mask
+    return sel
+
+
+def _tensor(n) -> bool:
+    return isinstance(n, Node) and shape(n) is not None
 
 
 def split_mask(mask: Node):
-    """(topk indices node, base mask or None, fill of unselected keys, k) if `mask` is a
-    top-k selection folded into a mask, else None. A base mask read from inside an
-    unsqueeze(., 1) of a (B, S, T) combination is returned as (B, S, T): see `base_4d`."""
-    m = _views(mask)
-    if dtype(m) == torch.bool:
-        return _split_keep(m, fill=-math.inf)
-    # additive
-    if is_op(m, aten.add):
-        for sel, base in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
-            got = _scatter_selection(sel, _is_drop_fill, 0)
-            if got is not None:
-                idx, fill, k = got
-                return idx, base, float(fill), k
+    """(selection, base mask or None, fill of unselected keys) if `mask` (4-D, broadcast to
+    (B, H, S, T)) is a top-k selection folded into a mask, else None. The selection is a
+    (B, S, T) tensor lifted by exactly one unsqueeze(., 1); a base read from inside that lift
+    is (B, S, T) or narrower (the caller lifts it again)."""
+    if ndim(mask) != 4:
         return None
-    got = _scatter_selection(m, _is_drop_fill, 0)
-    if got is not None:
-        idx, fill, k = got
-        return idx, None, float(fill), k
+    m, lifted = _views(mask)
+    found = _split(m) if dtype(m) != torch.bool else _split_keep(m, -math.inf)
+    if found is None:
+        return None
+    sel, base, fill = found
+    if sel.lifted is None or int(lifted) + int(bool(sel.lifted)) != 1:
+        raise NotSelection("the (batch, query, key) selection is not lifted to (batch, 1, query, key) once")
+    if base is not None and not _tensor(base):
+        return None  # a scalar shift: not a mask to pass on
+    return sel, base, fill
+
+
+def _split(m):
+    if is_op(m, aten.add):
+        if m.kwargs.get("alpha", 1) != 1:
+            return None
+        for a, b in ((m.args[0], m.args[1]), (m.args[1], m.args[0])):
+            sel = _scatter_selection(a, _is_drop_fill, 0)
+            if sel is not None:
+                if sel.fill != -math.inf:  # fill + base at unselected keys: not one value
+                    raise NotSelection(f"an additive selection with finite fill {sel.fill:.3g} plus a base mask")
+                return sel, b, -math.inf
+        return None
+    sel = _scatter_selection(m, _is_drop_fill, 0)
+    if sel is not None:
+        return sel, None, float(sel.fill)
     if is_op(m, aten.where):
         cond, a, b = m.args
         ca, cb = constant_value(a), constant_value(b)
         if ca is not None and _is_drop_fill(ca):  # where(drop_selection, fill, base)
-            got = _drop_selection(cond)
-            if got is not None:
-                idx, _, k = got
-                return idx, b, float(ca), k
+            sel = _drop_selection(cond)
+            if sel is not None:
+                return sel, b, float(ca)
         if ca == 0 and cb is not None and _is_drop_fill(cb):  # where(keep, 0, fill): bool made additive
-            return _split_keep(cond, fill=float(cb))
+            return _split_keep(cond, float(cb))
     return None
 
 
 def _split_keep(keep: Node, fill: float):
-    got = _keep_selection(keep)
-    if got is not None:
-        idx, _, k = got
-        return idx, None, fill, k
-    if is_op(keep, aten.bitwise_and, aten.logical_and):
-        for sel, base in ((keep.args[0], keep.args[1]), (keep.args[1], keep.args[0])):
-            got = _keep_selection(sel)
-            if got is not None and dtype(base) == torch.bool:
-                idx, _, k = got
-                return idx, base, fill, k
-    return None
+    keep, lifted = _views(keep)
+    sel = _keep_selection(keep)
+    base = None
+    if sel is None and is_op(keep, aten.bitwise_and, aten.logical_and):
+        for a, b in ((keep.args[0], keep.args[1]), (keep.args[1], keep.args[0])):
+            sel = _keep_selection(a)
+            if sel is not None and dtype(b) == torch.bool:
+                base = b
+                break
+            sel = None
+    if sel is None:
+        return None
+    if lifted:
+        sel.lifted = None if sel.lifted else True
+    return sel, base, fill

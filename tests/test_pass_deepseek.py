@@ -319,3 +319,73 @@ def test_mla_decode_on_transformers_deepseek_v3_decode():
     after, rec = run(gm, "mla_prefill", "mla_decode")
     assert rec["mla_decode"].matches == 2, rec["mla_decode"].near_misses
     assert_same(gm, after, args)
+
+
+# ---- regressions from a soundness review: each of these once fired (or crashed) wrongly --------
+
+def _att(q, k, v, mask):
+    return ops.attention(q, k, v, mask, 0.35, False, 0, True)
+
+
+@pytest.mark.parametrize("case", ["3-D selection", "scatter reduce", "key dim broadcast", "add alpha",
+                                  "finite fill + base"])
+def test_sparse_mla_refuses_look_alikes(case):
+    B, H, S, D, K = 2, 2, 5, 8, 2
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    fill = torch.finfo(torch.float32).min if case == "finite fill + base" else -math.inf
+
+    def f(q, k, v, score, base):
+        keys = 1 if case == "key dim broadcast" else S
+        idx = score[..., :keys].topk(min(K, keys), dim=-1).indices
+        full = torch.full((B, S, keys), -1e30 if case == "scatter reduce" else fill)
+        sel = full.scatter(-1, idx, 0.0, reduce="add") if case == "scatter reduce" else full.scatter(-1, idx, 0.0)
+        if case == "3-D selection":
+            return _att(q, k, v, sel)  # (B, S, T) lines B up with the heads
+        m = torch.add(sel, base, alpha=3.0) if case == "add alpha" else sel + base
+        return _att(q, k, v, m.unsqueeze(1))
+
+    base = torch.full((S, S), torch.finfo(torch.float32).min).triu(1)
+    gm, args = capture_graph(f, q, k, v, torch.randn(B, S, S), base)
+    after, rec = run_pass("sparse_mla", gm)
+    assert rec.matches == 0, case
+    assert_same(gm, after, args)
+
+
+def test_fuse_moe_ignores_reductions_and_descending_sorts():
+    gm, _ = capture_graph(lambda x: (x * 2).sum(), torch.randn(4, 6))  # aten.sum.default: one argument
+    assert run_pass("fuse_moe", gm)[1].matches == 0
+    E, T, K, H, I = 4, 6, 2, 16, 8
+    gate_up, down = torch.randn(E, 2 * I, H, dtype=torch.bfloat16), torch.randn(E, H, I, dtype=torch.bfloat16)
+
+    def grouped_descending(x, ids, w):
+        flat, wf = ids.reshape(-1), w.reshape(-1)
+        ids_g, perm = torch.sort(flat, descending=True)
+        xs = x[perm // K]
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=E, min=0, max=E - 1), 0, dtype=torch.int32)
+        g, u = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs) * wf[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return out[inv].view(T, K, H).sum(dim=1)
+
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gm, args = capture_graph(grouped_descending, torch.randn(T, H, dtype=torch.bfloat16), ids,
+                             torch.rand(T, K, dtype=torch.bfloat16))  # aten._grouped_mm takes bf16
+    after, rec = run_pass("fuse_moe", gm)
+    assert rec.matches == 0 and "ascending" in rec.near_misses[0]
+
+
+def test_fp8_dequant_refuses_casts_that_round_or_truncate():
+    x = torch.randn(4, 64)
+    w, s = F8.quantize_weight(torch.randn(32, 64) * 30, 32, 32)
+
+    def s_full(s):
+        return s.repeat_interleave(32, 0).repeat_interleave(32, 1)
+
+    forms = {
+        "int weight": lambda x, w, s: F.linear(x, w.to(torch.int32) * s_full(s)),
+        "fp16 detour": lambda x, w, s: F.linear(x, (w.float() * s_full(s)).half().float()),
+    }
+    for what, fn in forms.items():
+        gm, args = capture_graph(fn, x, w, s)
+        assert run_pass("fp8_gemm", gm)[1].matches == 0, what

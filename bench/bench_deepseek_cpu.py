@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
-import threading
-import time
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import deepseek_forms as forms  # noqa: E402  (bench/ is the script's directory)
+from _memory import PeakRSS  # noqa: E402
 from metainfer.kernels import fp8_gemm as F8  # noqa: E402
-from metainfer.lowering import ops  # noqa: E402
-from metainfer.models.deepseek import weight_dequant  # noqa: E402
 
 _VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
           "transpose", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind", "_to_copy_view"}
@@ -92,35 +88,6 @@ def _gather_discount(name, args) -> int:
     return saved
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    def __enter__(self):
-        gc.collect()
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-
 def measure(fn):
     """(launches, bytes moved, peak RSS growth) of one call of fn()."""
     with torch.no_grad(), PeakRSS() as mem:
@@ -150,8 +117,8 @@ def bench_fp8(seqs, dtype):
         w, s = F8.quantize_weight(torch.randn(N, K) * 0.02, 128, 128)
         for S in seqs:
             x = torch.randn(S, K, dtype=dtype)
-            fb = measure(lambda: F.linear(x, weight_dequant(w, s, 128, x.dtype)))
-            fp = measure(lambda: ops.fp8_linear(x, w, s, None, 128, 128, False))
+            fb = measure(lambda: forms.fp8_fallback(x, w, s))
+            fp = measure(lambda: forms.fp8_fast(x, w, s))
             # fallback: read fp8 + write bf16 copy + GEMM reads it; fast path: read fp8 (+ scales)
             wb_fb = N * K * (1 + 2 * dtype.itemsize)
             wb_fp = N * K + s.numel() * 4
@@ -176,17 +143,8 @@ def bench_sparse(seqs, topk, heads, dtype):
         causal = torch.full((S, S), float("-inf")).triu_(1)
         idx = (torch.randn(1, S, S, generator=g) + causal).topk(min(topk, S), dim=-1)[1]
         scale = D ** -0.5
-
-        def dense():  # models/deepseek.py: selection folded into a -inf mask, dense attention
-            mask = torch.full((1, S, S), float("-inf")).scatter_(-1, idx, 0) + causal
-            scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask.unsqueeze(1)
-            return torch.matmul(scores.softmax(-1, dtype=torch.float32).type_as(q), v)
-
-        def sparse():
-            return ops.sparse_attention(q, k, v, idx, causal, scale, False, 0, False, float("-inf"))
-
         fd, fs = 2 * heads * S * S * (D + Dv), 2 * heads * S * min(topk, S) * (D + Dv)
-        md, ms = measure(dense), measure(sparse)
+        md, ms = (measure(lambda: f(q, k, v, idx, causal, scale)) for f in (forms.topk_dense, forms.topk_sparse))
         row(S, f"{fd / 1e9:.1f} G", f"{fs / 1e9:.1f} G", f"{fs / fd:.2f}", _gb(md[1]), _gb(ms[1]), _gb(md[2]),
             _gb(ms[2]), f"{md[0]} / {ms[0]}")
         del q, k, v, idx, causal
@@ -208,21 +166,8 @@ def bench_mla_decode(lengths, heads, dtype):
         q_nope = torch.randn(1, heads, 1, nope, generator=g).to(dtype)
         q_pe = torch.randn(1, heads, 1, P, generator=g).to(dtype)
         scale = (nope + P) ** -0.5
-
-        def naive():  # models/deepseek.py: decompress the whole cache, then attend
-            kv = F.linear(c, W).view(1, T, heads, nope + dv)
-            k_nope, v = torch.split(kv, [nope, dv], dim=-1)
-            k = torch.cat([k_nope, kpe.unsqueeze(2).expand(-1, -1, heads, -1)], -1).transpose(1, 2)
-            q = torch.cat([q_nope, q_pe], -1)
-            return ops.attention(q, k, v.transpose(1, 2), None, scale, False, 0, False)
-
-        def absorbed():
-            w3 = W.view(heads, nope + dv, R)
-            q_lat = torch.matmul(q_nope, w3[:, :nope])  # (1, H, 1, R)
-            o = ops.mla_decode(q_lat, q_pe, c, kpe, None, None, scale, False, 0, False)
-            return torch.matmul(o, w3[:, nope:].transpose(-1, -2))
-
-        a, b = measure(naive), measure(absorbed)
+        a, b = (measure(lambda: f(q_nope, q_pe, c, kpe, W, dv, scale))
+                for f in (forms.mla_decompressed, forms.mla_absorbed))
         row(T, _gb(a[1]), _gb(b[1]), f"{b[1] / a[1]:.3f}", _gb(a[2]), _gb(b[2]))
 
 
@@ -242,19 +187,7 @@ def bench_moe(seqs, E, topk, H, I, dtype):
         ids = torch.rand(S, E, generator=g).topk(topk, dim=-1)[1]
         wts = torch.rand(S, topk, generator=g).to(dtype)
 
-        def loop():  # models/deepseek.py's MoE loop
-            y = torch.zeros_like(x)
-            for i in range(E):
-                idx, top = torch.where(ids == i)
-                h = x[idx]
-                h = F.silu(F.linear(h, w1[i])) * F.linear(h, w3[i])
-                y.index_add_(0, idx, F.linear(h, w2[i]) * wts[idx, top, None])
-            return y
-
-        def fused():
-            return ops.moe_experts(x, ids, wts, w1, w3, w2, None, None, None, 128, 128)
-
-        a, b = measure(loop), measure(fused)
+        a, b = (measure(lambda: f(x, ids, wts, w1, w3, w2)) for f in (forms.moe_loop, forms.moe_fused))
         row(S, a[0], b[0], _gb(a[1]), _gb(b[1]), _gb(a[2]), _gb(b[2]))
 
 
@@ -268,19 +201,20 @@ def main():
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    ap.add_argument("--only", nargs="+", choices=("fp8", "sparse", "mla", "moe"), default=("fp8", "sparse", "mla", "moe"))
     a = ap.parse_args()
     torch.manual_seed(0)
     dtype = torch.bfloat16
     print(f"# DeepSeek fast paths on CPU ({torch.get_num_threads()} threads, torch {torch.__version__}, bf16)")
-    if a.quick:
-        bench_sparse(a.seqs, a.topk, 2, dtype)
-        bench_mla_decode(a.seqs, 2, dtype)
-        bench_moe(a.seqs, 8, 2, 64, 32, dtype)
-        return
-    bench_fp8(sorted({a.seqs[0], a.seqs[-1]}), dtype)
-    bench_sparse(a.seqs, a.topk, a.heads, dtype)
-    bench_mla_decode(a.seqs, 16, dtype)
-    bench_moe(a.seqs, 64, 8, 1024, 256, dtype)
+    small = a.quick
+    if "fp8" in a.only and not small:
+        bench_fp8(sorted({a.seqs[0], a.seqs[-1]}), dtype)
+    if "sparse" in a.only:
+        bench_sparse(a.seqs, a.topk, 2 if small else a.heads, dtype)
+    if "mla" in a.only:
+        bench_mla_decode(a.seqs, 2 if small else 16, dtype)
+    if "moe" in a.only:
+        bench_moe(a.seqs, *((8, 2, 64, 32) if small else (64, 8, 1024, 256)), dtype)
 
 
 if __name__ == "__main__":

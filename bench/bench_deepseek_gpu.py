@@ -15,7 +15,6 @@ import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
 
 
 def timed(fn, reps: int) -> float:
@@ -56,9 +55,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
+    import deepseek_forms as forms  # bench/ is the script's directory
     from metainfer.kernels import fp8_gemm as F8
-    from metainfer.lowering import ops
-    from metainfer.models.deepseek import weight_dequant
 
     dev, bf16 = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -73,8 +71,8 @@ def main() -> int:
         x = torch.randn(tokens, K, device=dev, dtype=bf16)
         for mode in (False, True):
             compare(f"fp8_gemm {'W8A8' if mode else 'W8A16'}", f"{tokens}x{K} @ [{N},{K}]",
-                    lambda: F.linear(x, weight_dequant(w, s, 128, bf16)),
-                    lambda: ops.fp8_linear(x, w, s, None, 128, 128, mode), a.reps, tol=6e-2 if mode else 3e-2)
+                    lambda: forms.fp8_fallback(x, w, s), lambda: forms.fp8_fast(x, w, s, mode), a.reps,
+                    tol=6e-2 if mode else 3e-2)
 
     # sparse MLA prefill: dense attention with the top-k mask vs sparse_attention
     H, S, D, Dv, topk = (16 if a.quick else 128), (2048 if a.quick else 8192), 192, 128, 2048
@@ -84,13 +82,9 @@ def main() -> int:
     causal = torch.full((S, S), float("-inf"), device=dev).triu_(1)
     idx = (torch.randn(1, S, S, device=dev) + causal).topk(topk, dim=-1)[1]
 
-    def dense():
-        mask = torch.full((1, S, S), float("-inf"), device=dev).scatter_(-1, idx, 0) + causal
-        sc = torch.matmul(q, k.transpose(-2, -1)) * D ** -0.5 + mask.unsqueeze(1)
-        return torch.matmul(sc.softmax(-1, dtype=torch.float32).type_as(q), v)
-
-    compare("sparse_attention", f"{H} heads, {S} tokens, top-{topk}", dense,
-            lambda: ops.sparse_attention(q, k, v, idx, causal, D ** -0.5, False, 0, False, float("-inf")), a.reps)
+    compare("sparse_attention", f"{H} heads, {S} tokens, top-{topk}",
+            lambda: forms.topk_dense(q, k, v, idx, causal, D ** -0.5),
+            lambda: forms.topk_sparse(q, k, v, idx, causal, D ** -0.5), a.reps)
     del q, k, v, causal, idx
 
     # MLA decode: decompress the latent cache + attend vs absorbed mla_decode
@@ -100,43 +94,24 @@ def main() -> int:
     W = (torch.randn(H * (nope + dv), R, device=dev) * R ** -0.5).to(bf16)
     q_nope = torch.randn(B, H, 1, nope, device=dev, dtype=bf16)
     q_pe = torch.randn(B, H, 1, P, device=dev, dtype=bf16)
-    w3 = W.view(H, nope + dv, R)
-
-    def naive():
-        kv = F.linear(c, W).view(B, T, H, nope + dv)
-        k_nope, vv = torch.split(kv, [nope, dv], dim=-1)
-        kk = torch.cat([k_nope, kpe.unsqueeze(2).expand(-1, -1, H, -1)], -1).transpose(1, 2)
-        return F.scaled_dot_product_attention(torch.cat([q_nope, q_pe], -1), kk, vv.transpose(1, 2),
-                                              scale=(nope + P) ** -0.5)
-
-    def absorbed():
-        o = ops.mla_decode(torch.matmul(q_nope, w3[:, :nope]), q_pe, c, kpe, None, None, (nope + P) ** -0.5,
-                           False, 0, False)
-        return torch.matmul(o, w3[:, nope:].transpose(-1, -2))
-
-    compare("mla_decode", f"batch {B}, {H} heads, {T} cached tokens", naive, absorbed, a.reps)
+    scale = (nope + P) ** -0.5
+    compare("mla_decode", f"batch {B}, {H} heads, {T} cached tokens",
+            lambda: forms.mla_decompressed(q_nope, q_pe, c, kpe, W, dv, scale),
+            lambda: forms.mla_absorbed(q_nope, q_pe, c, kpe, W, dv, scale), a.reps)
     del c, kpe, W
 
     # MoE: DeepSeek's loop over experts vs moe_experts
     E, K, Hd, I, Tk = 256, 8, 7168, 2048, tokens
     w1 = (torch.randn(E, I, Hd, device=dev, dtype=bf16) * Hd ** -0.5)
-    w3_ = (torch.randn(E, I, Hd, device=dev, dtype=bf16) * Hd ** -0.5)
+    w3 = (torch.randn(E, I, Hd, device=dev, dtype=bf16) * Hd ** -0.5)
     w2 = (torch.randn(E, Hd, I, device=dev, dtype=bf16) * I ** -0.5)
     x = torch.randn(Tk, Hd, device=dev, dtype=bf16)
     ids = torch.rand(Tk, E, device=dev).topk(K, dim=-1)[1]
     wts = torch.rand(Tk, K, device=dev, dtype=bf16)
 
-    def loop():
-        y = torch.zeros_like(x)
-        for i in range(E):
-            idx_, top = torch.where(ids == i)
-            h = x[idx_]
-            h = F.silu(F.linear(h, w1[i])) * F.linear(h, w3_[i])
-            y.index_add_(0, idx_, F.linear(h, w2[i]) * wts[idx_, top, None])
-        return y
-
-    compare("moe_experts", f"{Tk} tokens, {E} experts top-{K}, {Hd}->{I}", loop,
-            lambda: ops.moe_experts(x, ids, wts, w1, w3_, w2, None, None, None, 128, 128), max(3, a.reps // 4))
+    compare("moe_experts", f"{Tk} tokens, {E} experts top-{K}, {Hd}->{I}",
+            lambda: forms.moe_loop(x, ids, wts, w1, w3, w2), lambda: forms.moe_fused(x, ids, wts, w1, w3, w2),
+            max(3, a.reps // 4))
     return 1 if compare.failed else 0
 
 

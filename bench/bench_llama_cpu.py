@@ -23,36 +23,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
+from _memory import PeakRSS, rss  # bench/ is the script's directory, on sys.path
+
 MODES = ("eager", "torch.compile", "metainfer", "metainfer-all", "torch.compile+sdpa")
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    def __init__(self, period=0.002):
-        self.period, self.peak, self._stop = period, 0, threading.Event()
-
-    def __enter__(self):
-        self.peak = _rss()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(self.period)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss())
 
 
 def child(mode: str, model_name: str, seq: int, reps: int) -> dict:
@@ -78,7 +53,7 @@ def child(mode: str, model_name: str, seq: int, reps: int) -> dict:
         first = time.perf_counter() - t0
         times, peak, base = [], 0, 0
         for _ in range(reps):
-            base_i = _rss()
+            base_i = rss()
             with PeakRSS() as p:
                 t0 = time.perf_counter()
                 fn(ids)

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 
 import torch
 
 DYNAMO_CONFIG = dict(specialize_float=True, capture_dynamic_output_shape_ops=True)
+
+_HAS_EXPERTS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 HF_EXPERTS_NOTE = ("capture: transformers' eager experts loop breaks the graph once per expert; its experts "
                    "were captured through transformers' grouped_mm implementation (the same function)")
@@ -31,7 +34,9 @@ def hf_eager_experts(model: torch.nn.Module) -> bool:
         return False
     if getattr(model.config, "_experts_implementation", None) != "eager":
         return False
-    return any(hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") for m in model.modules())
+    if model not in _HAS_EXPERTS:  # scanned once per model, not on every call
+        _HAS_EXPERTS[model] = any(hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") for m in model.modules())
+    return _HAS_EXPERTS[model]
 
 
 @contextlib.contextmanager

@@ -205,12 +205,12 @@ def _size(x) -> float:
     return float(x)
 
 
-def _numel(t: torch.Tensor) -> float:
+def numel(t: torch.Tensor) -> float:
     return math.prod(_size(s) for s in t.shape)
 
 
-def _nbytes(t: torch.Tensor) -> float:
-    return _numel(t) * t.element_size()
+def tensor_bytes(t: torch.Tensor) -> float:
+    return numel(t) * t.element_size()
 
 
 def _peak_key(dtype: torch.dtype) -> str:
@@ -228,10 +228,10 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
     a = [_val(x) if isinstance(x, torch.fx.Node) else x for x in args]
     if ns == "aten" and name in ("mm", "addmm", "bmm", "baddbmm"):
         x, w = (a[1], a[2]) if name in ("addmm", "baddbmm") else (a[0], a[1])
-        return 2 * _numel(out[0]) * _size(x.shape[-1]), _peak_key(x.dtype)
+        return 2 * numel(out[0]) * _size(x.shape[-1]), _peak_key(x.dtype)
     if ns == "metainfer" and name == "fp8_linear":
         x, w, act_quant = a[0], a[1], a[6]
-        return 2 * _numel(out[0]) * _size(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
+        return 2 * numel(out[0]) * _size(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
     if ns == "metainfer" and name in ("attention", "sparse_attention"):
         q, k, v = a[0], a[1], a[2]
         B, H, Sq, D = (_size(s) for s in q.shape)
@@ -245,7 +245,7 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
         return 2 * B * H * Sq * keys * (2 * R + _size(qp.shape[-1])), _peak_key(ql.dtype)
     if ns == "metainfer" and name == "moe_experts":
         x, ids, wg, wd = a[0], a[1], a[3], a[5]
-        pairs = _numel(ids)
+        pairs = numel(ids)
         return 2 * pairs * 3 * _size(wg.shape[1]) * _size(wg.shape[2]), _peak_key(x.dtype)
     return 0.0, None
 
@@ -267,16 +267,16 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
         return OpCost(0.0, 0.0, 0.0, "free")
     ins = _tensors([_val(x) for x in node.all_input_nodes])
     out = _tensors([node.meta.get("val")])
-    nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in out)
+    moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in out)
     flops, key = _flops(name, ns, list(node.args), out)
     if key is None:
-        elems = sum(_numel(t) for t in out)
-        flops = sum(_numel(t) for t in ins) if name in _REDUCTIONS else elems
+        elems = sum(numel(t) for t in out)
+        flops = sum(numel(t) for t in ins) if name in _REDUCTIONS else elems
         key = _peak_key(out[0].dtype) if out else "fp32"
     dev = target.device
-    compute, memory = flops / dev.peak_flops[key], nbytes / dev.memory_bandwidth
+    compute, memory = flops / dev.peak_flops[key], moved / dev.memory_bandwidth
     body = max(compute, memory)
     bound = "compute" if compute >= memory else "memory"
     if dev.launch_overhead_s > body:
         bound = "launch"
-    return OpCost(flops, nbytes, body + dev.launch_overhead_s, bound)
+    return OpCost(flops, moved, body + dev.launch_overhead_s, bound)

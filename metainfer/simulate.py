@@ -94,7 +94,7 @@ def _collective_bytes(node: torch.fx.Node, kind: str) -> float:
     val = node.meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0.0
-    return cost._numel(val) * val.element_size()
+    return cost.tensor_bytes(val)
 
 
 def simulate(gm: torch.fx.GraphModule, target: Target, algorithms: dict | None = None) -> Schedule:

@@ -26,7 +26,6 @@ Configs are data: tiny ones for tests, real-size shapes (DeepSeek-V3 671B, a V3.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch

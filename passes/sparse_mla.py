@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -96,9 +97,13 @@ def _views(n):
         n = n.args[0]
 
 
+@dataclass
 class Selection:
-    def __init__(self, idx, fill, k, lifted, keys):
-        self.idx, self.fill, self.k, self.lifted, self.keys = idx, fill, k, lifted, keys
+    idx: Node  # the topk indices (B, S, k)
+    fill: float  # the value unselected keys get
+    k: object  # top-k (an int or a symbolic size)
+    lifted: bool | None  # lifted to (B, 1, S, T) on its own path; None: lifted twice
+    keys: object  # T, the key dim the selection spans
 
 
 def _scatter_selection(n, fill_pred, value) -> Selection | None:

@@ -210,6 +210,7 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
         compile_cache.store(root, key, manager.records)
     if section is not None:
         section.records = manager.records
+        section.schedule, section.simulation_error = manager.schedule, manager.simulation_error
     return compiled
 
 

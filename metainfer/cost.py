@@ -166,6 +166,18 @@ def best(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> 
     return min(candidates(kind, nbytes, target, ranks), key=lambda c: c.seconds)
 
 
+def send_cost(nbytes: float, target: Target, across_islands: bool) -> CollectiveCost:
+    """One rank sending `nbytes` to one peer (a pipeline stage boundary), inside an island or
+    across the boundary."""
+    if not nbytes >= 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    topo = target.topology
+    link = topo.inter_island if across_islands and topo.inter_island is not None else topo.intra_island
+    across = across_islands and topo.inter_island is not None
+    sec = link.latency_s + nbytes / link.bandwidth if nbytes else 0.0
+    return CollectiveCost("send", "direct", nbytes, 2, sec, 0.0 if across else nbytes, nbytes if across else 0.0, 1)
+
+
 # ---- part two: compute ops, from the fake tensors of a graph's nodes ------------------------
 
 _VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
@@ -175,12 +187,37 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", 
                "cumsum", "topk", "sort", "softmax", "_softmax", "log_softmax", "_log_softmax"}
 
 
+# ops that only move data: priced by their bytes, on purpose
+_DATA_MOVEMENT = {"clone", "copy", "copy_", "_to_copy", "contiguous", "cat", "stack", "index", "index_select",
+                  "gather", "scatter", "scatter_add", "scatter_reduce", "index_put", "index_put_", "index_add",
+                  "embedding", "constant_pad_nd", "full", "zeros", "ones", "empty", "empty_strided", "new_empty",
+                  "new_zeros", "new_ones", "full_like", "zeros_like", "ones_like", "empty_like", "arange", "iota",
+                  "scalar_tensor", "lift_fresh_copy", "slice_scatter", "select_scatter", "masked_scatter",
+                  "repeat", "repeat_interleave", "flip", "roll", "tril", "triu", "fill", "fill_", "nonzero",
+                  "_local_scalar_dense", "bucketize", "searchsorted", "histc", "bincount", "clamp",
+                  "clamp_min", "clamp_max"}
+# metainfer's pointwise-like fused ops: one FLOP-ish per output element, bytes dominate
+_FUSED_POINTWISE = {"rmsnorm", "add_rmsnorm", "rope", "swiglu"}
+
+
 @dataclass(frozen=True)
 class OpCost:
     flops: float
     bytes: float
     seconds: float
     bound: str  # "compute", "memory", "launch" or "free" (views)
+    priced_by_bytes: bool = False  # an op the model does not know: its FLOPs are not counted
+
+
+def roofline(flops: float, nbytes: float, dtype_key: str, target: Target) -> OpCost:
+    """max(FLOPs / peak, bytes / bandwidth) + launch overhead on one device of `target`."""
+    dev = target.device
+    compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.memory_bandwidth
+    body = max(compute, memory)
+    bound = "compute" if compute >= memory else "memory"
+    if dev.launch_overhead_s > body:
+        bound = "launch"
+    return OpCost(flops, nbytes, body + dev.launch_overhead_s, bound)
 
 
 def _val(x):
@@ -250,33 +287,39 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
     return 0.0, None
 
 
+def op_name(node: torch.fx.Node) -> tuple[str, str]:
+    """(namespace, op name) of a call_function node: ("aten", "mm"), ("metainfer", "attention")."""
+    packet = getattr(node.target, "overloadpacket", None)
+    name = getattr(packet, "__name__", getattr(node.target, "__name__", str(node.target)))
+    ns = getattr(packet, "_qualified_op_name", "aten::x").split("::")[0] if packet is not None else "python"
+    return ns, name
+
+
 def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
     """FLOPs, bytes moved and predicted seconds of one call_function node on one device of
-    `target`: max(FLOPs / peak, bytes / bandwidth) + launch overhead. Matmuls, the attention
-    family and metainfer's fused ops are priced by their FLOPs; pointwise ops at one FLOP and
-    reductions at one per input element; anything else by its bytes. Views are free."""
-    if node.op != "call_function":
+    `target` (see `roofline`). Matmuls, the attention family and metainfer's fused ops are
+    priced by their FLOPs; pointwise ops (ATen's `pointwise` tag) at one FLOP per output
+    element, reductions at one per input element, data movement by its bytes. Any other op is
+    priced by its bytes with `priced_by_bytes=True`, so reports can list what the model does
+    not know. Views are free."""
+    if node.op != "call_function" or node.target is operator.getitem:
         return OpCost(0.0, 0.0, 0.0, "free")
-    target_fn = node.target
-    if target_fn is operator.getitem:
-        return OpCost(0.0, 0.0, 0.0, "free")
-    packet = getattr(target_fn, "overloadpacket", None)
-    name = getattr(packet, "__name__", getattr(target_fn, "__name__", str(target_fn)))
-    ns = getattr(packet, "_qualified_op_name", "aten::x").split("::")[0] if packet is not None else "python"
+    ns, name = op_name(node)
     if name in _VIEWS or ns == "python":
         return OpCost(0.0, 0.0, 0.0, "free")
     ins = _tensors([_val(x) for x in node.all_input_nodes])
     out = _tensors([node.meta.get("val")])
     moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in out)
     flops, key = _flops(name, ns, list(node.args), out)
+    unknown = False
     if key is None:
-        elems = sum(numel(t) for t in out)
-        flops = sum(numel(t) for t in ins) if name in _REDUCTIONS else elems
+        tags = getattr(node.target, "tags", ())
         key = _peak_key(out[0].dtype) if out else "fp32"
-    dev = target.device
-    compute, memory = flops / dev.peak_flops[key], moved / dev.memory_bandwidth
-    body = max(compute, memory)
-    bound = "compute" if compute >= memory else "memory"
-    if dev.launch_overhead_s > body:
-        bound = "launch"
-    return OpCost(flops, moved, body + dev.launch_overhead_s, bound)
+        if torch.Tag.reduction in tags or name in _REDUCTIONS:
+            flops = sum(numel(t) for t in ins)
+        elif torch.Tag.pointwise in tags or (ns == "metainfer" and name in _FUSED_POINTWISE):
+            flops = sum(numel(t) for t in out)
+        else:
+            flops, unknown = 0.0, name not in _DATA_MOVEMENT
+    c = roofline(flops, moved, key, target)
+    return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)

@@ -28,6 +28,35 @@ class GraphSection:
     compile_seconds: float = 0.0
     phase: str = "forward"  # "forward", or "prefill"/"decode" when compiled inside generate()
     recompile_reasons: list[str] = field(default_factory=list)  # guards of earlier graphs that failed
+    schedule: Any = None  # metainfer.simulate.Schedule of the final graph (None when served from cache)
+    simulation_error: str | None = None
+
+    @property
+    def prediction(self) -> dict[str, Any] | None:
+        """The simulator's figures for one call of this graph on the target: before the first
+        pass, after the last, the floor and what the cost model priced by bytes only."""
+        ran = [r for r in self.records if r.predicted_after_s is not None]
+        if not ran:
+            return None
+        out = {"before_s": ran[0].predicted_before_s, "after_s": ran[-1].predicted_after_s,
+               "floor_s": ran[-1].floor_after_s, "gap_to_floor": ran[-1].gap_to_floor, "predicted": True}
+        if self.schedule is not None:
+            out.update(exposed_comm_s=self.schedule.exposed_comm_seconds, comm_s=self.schedule.comm_seconds,
+                       compute_s=self.schedule.compute_seconds, priced_by_bytes=self.schedule.priced_by_bytes)
+        return out
+
+    def prediction_line(self, target_name: str) -> str | None:
+        p = self.prediction
+        if p is None:
+            return f"no prediction: {self.simulation_error}" if self.simulation_error else None
+        line = (f"predicted on {target_name} (a model, not a measurement): {_time(p['before_s'])} before passes -> "
+                f"{_time(p['after_s'])} after; floor {_time(p['floor_s'])} (gap {p['gap_to_floor']:+.0%})")
+        if p.get("comm_s"):
+            line += f"; communication {_time(p['comm_s'])}, exposed {_time(p['exposed_comm_s'])}"
+        if p.get("priced_by_bytes"):
+            line += "; priced by bytes only (unknown to the cost model): " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(p["priced_by_bytes"].items()))
+        return line
 
     @property
     def why(self) -> str:
@@ -42,6 +71,7 @@ class GraphSection:
             "recompile_reasons": self.recompile_reasons, "break_reasons": self.break_reasons, "inputs": self.inputs,
             "lowering": self.lowering, "from_cache": self.from_cache,
             "compile_seconds": round(self.compile_seconds, 4),
+            "prediction": self.prediction, "simulation_error": self.simulation_error,
             "passes": [r.to_dict(with_graphs) for r in self.records],
         }
 
@@ -107,7 +137,10 @@ class Report:
             if s.break_reasons:
                 head += f"; ends at a graph break: {s.break_reasons[0]}"
             out.append(head)
-            rows = [("pass", "ran", "matches", "nodes", "ms", "what it did")]
+            pred = s.prediction_line(self.target.name)
+            if pred:
+                out.append("  " + pred)
+            rows = [("pass", "ran", "matches", "nodes", "ms", "predicted", "what it did")]
             for r in s.records:
                 ran = "yes" if r.ran else "skip"
                 what = r.decisions[0] if r.decisions else (r.skipped_reason or (r.near_misses[0] if r.near_misses else ""))
@@ -115,11 +148,11 @@ class Report:
                 if more > 0:
                     what += f" (+{more} more)"
                 rows.append((r.name, ran, str(r.matches) if r.ran else "-", f"{r.nodes_before}->{r.nodes_after}",
-                             f"{r.seconds * 1e3:.1f}" if r.ran else "-", what))
-            widths = [max(len(row[i]) for row in rows) for i in range(5)]
+                             f"{r.seconds * 1e3:.1f}" if r.ran else "-", _predicted(r), what))
+            widths = [max(len(row[i]) for row in rows) for i in range(6)]
             for row in rows:
-                cells = [row[i].ljust(widths[i]) for i in range(5)]
-                out.append("  " + "  ".join(cells) + "  " + _clip(row[5], 110))
+                cells = [row[i].ljust(widths[i]) for i in range(6)]
+                out.append("  " + "  ".join(cells) + "  " + _clip(row[6], 110))
             for r in s.records:
                 for nm in r.near_misses:
                     out.append(f"  near miss [{r.name}] {_clip(nm, 150)}")
@@ -146,10 +179,17 @@ class Report:
             md.append("")
             md.append(f"Lowering: {s.lowering}{' (compiled graph reused from cache)' if s.from_cache else ''}; "
                       f"inputs: {', '.join(s.inputs) if s.inputs else '-'}")
-            md += ["", "| pass | ran | matches | nodes before -> after | time (ms) |", "|---|---|---|---|---|"]
+            pred = s.prediction_line(self.target.name)
+            if pred:
+                md += ["", pred[0].upper() + pred[1:] + "."]
+                if s.schedule is not None:
+                    md.append(f"Chrome trace of the predicted schedule: `graphs/{_trace_name(s.index)}`.")
+            md += ["", "| pass | ran | matches | nodes before -> after | time (ms) | predicted before -> after "
+                   "(gap to floor) |", "|---|---|---|---|---|---|"]
             for r in s.records:
                 md.append(f"| `{r.name}` | {'yes' if r.ran else 'skipped: ' + (r.skipped_reason or '')} | "
-                          f"{r.matches} | {r.nodes_before} -> {r.nodes_after} | {r.seconds * 1e3:.1f} |")
+                          f"{r.matches} | {r.nodes_before} -> {r.nodes_after} | {r.seconds * 1e3:.1f} | "
+                          f"{_predicted(r, full=True)} |")
             for r in s.records:
                 if r.decisions or r.near_misses:
                     md += ["", f"### `{r.name}`", ""]
@@ -160,13 +200,16 @@ class Report:
         return "\n".join(md) + "\n"
 
     def save(self, directory) -> Path:
-        """Write report.json, report.md and graphs/ (before/after/diff of each change)."""
+        """Write report.json, report.md and graphs/ (before/after/diff of each change, and the
+        Chrome trace of each graph's predicted schedule)."""
         d = Path(directory)
         gdir = d / "graphs"
         gdir.mkdir(parents=True, exist_ok=True)
         (d / "report.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
         (d / "report.md").write_text(self.to_markdown())
         for s in self.sections:
+            if s.schedule is not None:
+                s.schedule.save_trace(gdir / _trace_name(s.index))
             for r in s.records:
                 if not r.changed:
                     continue
@@ -177,6 +220,29 @@ class Report:
                                             fromfile=f"before {r.name}", tofile=f"after {r.name}", n=2)
                 stem.with_suffix(".diff").write_text("".join(diff))
         return d
+
+
+def _trace_name(graph_index: int) -> str:
+    return f"graph{graph_index}.trace.json"
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _predicted(r: PassRecord, full: bool = False) -> str:
+    if not r.ran or r.predicted_after_s is None:
+        return "-"
+    if full:
+        gap = r.gap_to_floor
+        return f"{_time(r.predicted_before_s)} -> {_time(r.predicted_after_s)}" + (f" ({gap:+.0%})" if gap is not None else "")
+    if r.predicted_after_s == r.predicted_before_s:
+        return _time(r.predicted_after_s)
+    return f"{_time(r.predicted_before_s)}->{_time(r.predicted_after_s)}"
 
 
 def _dump_name(graph_index: int, r: PassRecord) -> str:

@@ -11,13 +11,16 @@ each `wait_tensor` sits.
 
 `simulate(gm, target)` returns the predicted step time, the exposed communication, per-op
 intervals, the floor (max(total compute, total communication with the best algorithm per
-collective)) and a Chrome trace (`trace()`, JSON that Perfetto and chrome://tracing open).
+collective)), the ops the cost model priced by bytes only, and a Chrome trace (`trace()`,
+JSON that Perfetto and chrome://tracing open). `Timeline` is the two-stream core; the
+planner drives it directly with the ops of a modelled layer.
 This is a model of hardware we may not have: every figure it gives is a prediction.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +55,19 @@ class Schedule:
     exposed_comm_seconds: float
     floor_seconds: float
     intervals: list[Interval] = field(default_factory=list)
+    priced_by_bytes: dict[str, int] = field(default_factory=dict)  # op name -> count the model does not know
 
     @property
     def gap_to_floor(self) -> float:
         """How far the predicted step is above the floor, as a fraction of the floor."""
         return self.step_seconds / self.floor_seconds - 1 if self.floor_seconds > 0 else 0.0
+
+    def summary(self) -> dict:
+        """The figures without the intervals (for reports and JSON)."""
+        return {"target": self.target, "step_s": self.step_seconds, "compute_s": self.compute_seconds,
+                "comm_s": self.comm_seconds, "exposed_comm_s": self.exposed_comm_seconds,
+                "floor_s": self.floor_seconds, "gap_to_floor": self.gap_to_floor,
+                "priced_by_bytes": dict(self.priced_by_bytes), "predicted": True}
 
     def trace(self) -> dict:
         """Chrome trace events (microseconds), one track per stream."""
@@ -79,9 +90,49 @@ class Schedule:
                 f"(+{self.gap_to_floor:.0%})")
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", getattr(node.target, "__name__", str(node.target)))
+class Timeline:
+    """One device's compute stream and communication stream. Each call places one piece of
+    work no earlier than `ready` (when its inputs exist) and returns when it ends."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.compute_free = self.comm_free = 0.0
+        self.compute_total = self.comm_total = self.comm_floor = self.exposed = 0.0
+        self.intervals: list[Interval] = []
+        self.priced_by_bytes: Counter = Counter()
+
+    def compute(self, name: str, seconds: float, ready: float = 0.0, detail: str = "") -> float:
+        start = max(self.compute_free, ready)
+        self.compute_free = start + seconds
+        self.compute_total += seconds
+        self.intervals.append(Interval(name, "compute", start, self.compute_free, detail))
+        return self.compute_free
+
+    def communicate(self, c: cost.CollectiveCost, best_seconds: float, ready: float = 0.0) -> float:
+        """Issue collective `c` (priced with its algorithm) on the communication stream;
+        `best_seconds` is what the best algorithm would take (for the floor)."""
+        start = max(self.comm_free, ready)
+        self.comm_free = start + c.seconds
+        self.comm_total += c.seconds
+        self.comm_floor += best_seconds
+        self.intervals.append(Interval(f"{c.kind} {c.algorithm}", "comm", start, self.comm_free,
+                                       f"{c.nbytes / 2**20:.2f} MiB over {c.ranks} ranks, "
+                                       f"{c.bytes_inter / 2**20:.2f} MiB across islands"))
+        return self.comm_free
+
+    def wait(self, ready: float) -> float:
+        """The compute stream blocks until `ready` (a collective's end): exposed communication."""
+        blocked = max(0.0, ready - self.compute_free)
+        if blocked > 0:
+            self.intervals.append(Interval("wait", "compute", self.compute_free, ready, "exposed communication"))
+            self.exposed += blocked
+        self.compute_free = max(self.compute_free, ready)
+        return self.compute_free
+
+    def schedule(self) -> Schedule:
+        step = max(self.compute_free, self.comm_free)
+        return Schedule(self.target.name, step, self.compute_total, self.comm_total, self.exposed,
+                        max(self.compute_total, self.comm_floor), self.intervals, dict(self.priced_by_bytes))
 
 
 def _is_c10d(node: torch.fx.Node) -> bool:
@@ -97,47 +148,53 @@ def _collective_bytes(node: torch.fx.Node, kind: str) -> float:
     return cost.tensor_bytes(val)
 
 
-def simulate(gm: torch.fx.GraphModule, target: Target, algorithms: dict | None = None) -> Schedule:
+def group_size(node: torch.fx.Node, target: Target) -> int:
+    """Ranks in a functional collective's group: its group_size argument, else the size of the
+    process group it names (when torch.distributed knows it), else the whole target."""
+    _, name = cost.op_name(node)
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        size = node.args[1] if name == "all_gather_into_tensor" else node.args[2]
+        if isinstance(size, int):
+            return size
+    group = node.args[-1] if node.args and isinstance(node.args[-1], str) else node.kwargs.get("group_name")
+    import torch.distributed as dist
+
+    if isinstance(group, str) and dist.is_available() and dist.is_initialized():
+        try:
+            return dist.distributed_c10d._resolve_process_group(group).size()
+        except Exception:  # a name from another process (a cached graph): fall back to the target
+            pass
+    return target.num_devices
+
+
+def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algorithms: dict | None = None) -> Schedule:
     """Predicted schedule of one call of `gm` on one device of `target`. `algorithms` maps a
     collective node's name to the algorithm it runs (default: the library's, i.e. the first
     listed in metainfer.cost.ALGORITHMS)."""
     algorithms = algorithms or {}
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     ready: dict[torch.fx.Node, float] = {}
-    compute_free = comm_free = 0.0
-    compute_total = comm_total = comm_floor = exposed = 0.0
-    intervals: list[Interval] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            ready[node] = 0.0 if node.op == "placeholder" else max((ready.get(a, 0.0) for a in node.all_input_nodes),
-                                                                    default=0.0)
-            continue
+    tl = Timeline(target)
+    for node in graph.nodes:
         deps = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
-        name = _op_name(node)
+        if node.op != "call_function":
+            ready[node] = deps
+            continue
+        _, name = cost.op_name(node)
         if _is_c10d(node) and name in _COLLECTIVES:
             kind = _COLLECTIVES[name]
             nbytes = _collective_bytes(node, kind)
-            c = cost.collective_cost(kind, nbytes, target, algorithms.get(node.name))
-            start = max(comm_free, deps)
-            comm_free = ready[node] = start + c.seconds
-            comm_total += c.seconds
-            comm_floor += cost.best(kind, nbytes, target).seconds
-            intervals.append(Interval(f"{kind} {c.algorithm}", "comm", start, comm_free,
-                                      f"{nbytes / 2**20:.2f} MiB, {c.bytes_inter / 2**20:.2f} MiB across islands"))
+            ranks = min(group_size(node, target), target.num_devices)
+            c = cost.collective_cost(kind, nbytes, target, algorithms.get(node.name), ranks=ranks)
+            ready[node] = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, deps)
         elif _is_c10d(node) and name == "wait_tensor":
-            start = max(compute_free, deps)
-            blocked = max(0.0, deps - compute_free)
-            exposed += blocked
-            if blocked > 0:
-                intervals.append(Interval("wait", "compute", compute_free, deps, "exposed communication"))
-            compute_free = ready[node] = start
+            ready[node] = tl.wait(deps)
         else:
             c = cost.op_cost(node, target)
+            if c.priced_by_bytes:
+                tl.priced_by_bytes[name] += 1
             if c.seconds == 0:
                 ready[node] = deps
                 continue
-            start = max(compute_free, deps)
-            compute_free = ready[node] = start + c.seconds
-            compute_total += c.seconds
-            intervals.append(Interval(name, "compute", start, compute_free, f"{c.bound}-bound"))
-    step = max(compute_free, comm_free)
-    return Schedule(target.name, step, compute_total, comm_total, exposed, max(compute_total, comm_floor), intervals)
+            ready[node] = tl.compute(name, c.seconds, deps, f"{c.bound}-bound")
+    return tl.schedule()

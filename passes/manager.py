@@ -48,6 +48,17 @@ class PassRecord:
     graph: int = 0
     graph_before: str | None = None  # set only when the pass changed the graph
     graph_after: str | None = None
+    # the simulator's prediction for one call of the graph on the target, before and after
+    # this pass (seconds), and the floor after it; None where it was not simulated
+    predicted_before_s: float | None = None
+    predicted_after_s: float | None = None
+    floor_after_s: float | None = None
+
+    @property
+    def gap_to_floor(self) -> float | None:
+        if self.predicted_after_s is None or not self.floor_after_s:
+            return None
+        return self.predicted_after_s / self.floor_after_s - 1
 
     @property
     def changed(self) -> bool:
@@ -120,7 +131,8 @@ class PassManager(CustomGraphPass):
     """Runs `passes` in order on a graph; `records` holds what the last run did."""
 
     def __init__(self, passes: list[Pass], target, *, disabled=(), explicit: bool = False,
-                 options: dict | None = None, graph_index: int = 0, keep_graphs: bool = True):
+                 options: dict | None = None, graph_index: int = 0, keep_graphs: bool = True,
+                 simulate: bool = True):
         self.passes = list(passes)
         self.explicit = explicit
         self.target = target
@@ -128,7 +140,10 @@ class PassManager(CustomGraphPass):
         self.options = dict(options or {})
         self.graph_index = graph_index
         self.keep_graphs = keep_graphs
+        self.simulate = simulate  # predict the graph's time on the target before and after each pass
         self.records: list[PassRecord] = []
+        self.schedule = None  # the simulator's Schedule of the graph after the last pass
+        self.simulation_error: str | None = None
         self.invocations = 0
         self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit})
 
@@ -142,6 +157,8 @@ class PassManager(CustomGraphPass):
     def run(self, graph: torch.fx.Graph) -> list[PassRecord]:
         records = []
         ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
+        self.simulation_error = None
+        schedule = self._predict(graph)
         for p in self.passes:
             n0 = len(graph.nodes)
             rec = PassRecord(name=p.name, ran=False, nodes_before=n0, nodes_after=n0, graph=self.graph_index)
@@ -171,5 +188,24 @@ class PassManager(CustomGraphPass):
             rec.nodes_after = len(graph.nodes)
             if result.modified and self.keep_graphs:
                 rec.graph_before, rec.graph_after = before, graph_text(graph)
+            if schedule is not None:
+                rec.predicted_before_s = schedule.step_seconds
+                if result.modified:
+                    schedule = self._predict(graph) or schedule
+                rec.predicted_after_s, rec.floor_after_s = schedule.step_seconds, schedule.floor_seconds
             records.append(rec)
+        self.schedule = schedule
         return records
+
+    def _predict(self, graph: torch.fx.Graph):
+        """The simulator's schedule of `graph` on the target; None (and the reason kept) if it
+        cannot be simulated, which never stops compilation."""
+        if not self.simulate or self.simulation_error is not None:
+            return None
+        from metainfer.simulate import simulate
+
+        try:
+            return simulate(graph, self.target)
+        except Exception as e:  # a prediction is a report's extra, never a reason to fail a compile
+            self.simulation_error = f"{type(e).__name__}: {e}"
+            return None

@@ -45,7 +45,7 @@ def test_save_writes_json_markdown_and_dumps_of_changed_graphs(llama_opt, tmp_pa
     assert json.loads((tmp_path / "report.json").read_text())["target"] == "cpu"
     assert "fuse_attention" in (tmp_path / "report.md").read_text()
     dumps = sorted(p.name for p in (tmp_path / "graphs").iterdir())
-    assert dumps == ["graph0_fuse_attention.after.txt", "graph0_fuse_attention.before.txt",
+    assert dumps == ["graph0.trace.json", "graph0_fuse_attention.after.txt", "graph0_fuse_attention.before.txt",
                      "graph0_fuse_attention.diff"], "only passes that changed the graph are dumped"
     after = (tmp_path / "graphs" / "graph0_fuse_attention.after.txt").read_text()
     assert "metainfer.attention" in after
@@ -86,3 +86,37 @@ def test_lazy_compile_fills_report_on_first_call():
     assert opt.report.sections == [] and "not been called" in str(opt.report)
     opt(torch.randint(0, 256, (1, 8)))
     assert opt.report.matches("fuse_attention") == 1
+
+
+def test_prediction_before_and_after_each_pass(llama_opt, tmp_path):
+    """Every pass that ran carries the simulator's time before and after it; a fusion lowers
+    it; the section sums it up and save() writes the final schedule as a Chrome trace."""
+    section = llama_opt.report.sections[0]
+    ran = [r for r in section.records if r.ran]
+    assert all(r.predicted_before_s > 0 and r.predicted_after_s > 0 and r.floor_after_s > 0 for r in ran)
+    for a, b in zip(ran, ran[1:]):
+        assert b.predicted_before_s == a.predicted_after_s, "each pass starts where the previous ended"
+    att = llama_opt.report.record("fuse_attention")
+    assert att.predicted_after_s < att.predicted_before_s, "fused attention moves fewer bytes"
+    p = section.prediction
+    assert p["before_s"] == ran[0].predicted_before_s and p["after_s"] == ran[-1].predicted_after_s
+    assert p["predicted"] and p["floor_s"] <= p["after_s"] * (1 + 1e-9)
+    assert "predicted on cpu" in str(llama_opt.report)
+    llama_opt.report.save(tmp_path)
+    trace = json.loads((tmp_path / "graphs" / "graph0.trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert "attention" in names and trace["metadata"]["predicted"]
+    assert json.loads((tmp_path / "report.json").read_text())["graphs"][0]["prediction"]["after_s"] == p["after_s"]
+
+
+class Spectral(torch.nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x, dim=-1).abs().sum(-1)
+
+
+def test_ops_the_model_cannot_price_are_listed_not_fatal():
+    opt = metainfer.optimize(Spectral().eval(), "cpu",
+                             example_inputs=(torch.randn(4, 64),), lowering="aot_eager")
+    p = opt.report.sections[0].prediction
+    assert any("fft" in name for name in p["priced_by_bytes"]), p
+    assert "priced by bytes only" in str(opt.report)

@@ -21,6 +21,7 @@ from . import targets  # noqa: E402
 from . import cache  # noqa: E402
 from .verify import BisectResult, EquivalenceError  # noqa: E402
 from .api import OptimizedModel, bisect, optimize  # noqa: E402
+from .analyze import analyze  # noqa: E402
 from .report import Report  # noqa: E402
 from .targets import Target  # noqa: E402
 
@@ -32,5 +33,5 @@ def last_report():
     return _last()
 
 
-__all__ = ["optimize", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
+__all__ = ["optimize", "analyze", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
            "targets", "last_report", "__version__"]

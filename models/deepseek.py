@@ -427,7 +427,8 @@ def build(name_or_config: "str | DeepSeekConfig" = "deepseek-tiny", *, dtype=tor
     cfg = CONFIGS[name_or_config] if isinstance(name_or_config, str) else name_or_config
     if overrides:
         cfg = replace(cfg, **overrides)
-    with torch.random.fork_rng(devices=[]):
+    # on "meta" the weights are never allocated: real-size configs can be analysed anywhere
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if str(device) == "meta" else "cpu"):
         torch.manual_seed(seed)
         model = DeepSeek(cfg)
     model = model.to(device=device, dtype=dtype).eval()

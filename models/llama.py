@@ -237,11 +237,13 @@ class Llama(nn.Module):
 
 def build(name_or_config: "str | LlamaConfig" = "llama-tiny", *, dtype=torch.float32, device="cpu",
           seed: int = 0, **overrides) -> Llama:
-    """A randomly initialised model in eval mode (no weights are downloaded)."""
+    """A randomly initialised model in eval mode (no weights are downloaded); on device="meta"
+    nothing is allocated."""
     cfg = CONFIGS[name_or_config] if isinstance(name_or_config, str) else name_or_config
     if overrides:
         cfg = replace(cfg, **overrides)
-    with torch.random.fork_rng(devices=[]):
+    # on "meta" the weights are never allocated: real-size configs can be analysed anywhere
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if str(device) == "meta" else "cpu"):
         torch.manual_seed(seed)
         model = Llama(cfg)
     return model.to(device=device, dtype=dtype).eval()

@@ -112,8 +112,40 @@ def _replay(chain: list[Node], top: Node, value: torch.Tensor) -> torch.Tensor:
     return env[top] if chain else value
 
 
+_PROVEN: dict[tuple, "tuple[int, int] | str"] = {}  # chain signature -> block map, or why it is not one
+
+
+def _signature(chain: list[Node], nb: int, kb: int, N: int, K: int) -> tuple | None:
+    """What `_block_map`'s result depends on: the shape ops and their constant arguments."""
+    try:
+        sig = tuple((str(n.target), repr(n.args[1:]), repr(sorted(n.kwargs.items()))) for n in reversed(chain))
+    except Exception:
+        return None
+    return sig, nb, kb, N, K
+
+
 def _block_map(scale: Node, chain: list[Node], top: Node, N: int, K: int) -> tuple[int, int]:
+    """The (bn, bk) block map of the expansion, proven by evaluating it once per distinct
+    expansion (every layer of a model repeats the same few)."""
     nb, kb = shape(scale)
+    key = _signature(chain, nb, kb, N, K)
+    if key is not None and key in _PROVEN:
+        found = _PROVEN[key]
+        if isinstance(found, str):
+            raise NotDequant(found)
+        return found
+    try:
+        found = _evaluate_block_map(chain, top, nb, kb, N, K)
+    except NotDequant as e:
+        if key is not None:
+            _PROVEN[key] = str(e)
+        raise
+    if key is not None:
+        _PROVEN[key] = found
+    return found
+
+
+def _evaluate_block_map(chain: list[Node], top: Node, nb: int, kb: int, N: int, K: int) -> tuple[int, int]:
     with unset_fake_temporarily():  # real tensors, also when the pass runs under a fake mode
         probe = torch.arange(1, nb * kb + 1, dtype=torch.float32).view(nb, kb)  # distinct, exact in fp32
         try:

@@ -22,6 +22,7 @@ from . import cache  # noqa: E402
 from .verify import BisectResult, EquivalenceError  # noqa: E402
 from .api import OptimizedModel, bisect, optimize  # noqa: E402
 from .analyze import analyze  # noqa: E402
+from .planner import PlanError, plan  # noqa: E402
 from .report import Report  # noqa: E402
 from .targets import Target  # noqa: E402
 
@@ -33,5 +34,5 @@ def last_report():
     return _last()
 
 
-__all__ = ["optimize", "analyze", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
+__all__ = ["optimize", "analyze", "plan", "PlanError", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
            "targets", "last_report", "__version__"]

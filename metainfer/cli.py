@@ -61,6 +61,20 @@ def cmd_optimize(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    import dataclasses
+
+    from metainfer import planner, shapes
+
+    model = shapes.resolve(a.model)
+    if a.weights:
+        model = dataclasses.replace(model, weight_bytes=2.0 if a.weights == "bf16" else shapes._FP8_BYTES)
+    phases = planner.PHASES if a.phase == "both" else (a.phase,)
+    result = planner.plan(model, a.target, phases=phases, batch=a.batch, seq=a.seq, acceptance=a.acceptance)
+    print(json.dumps(result.to_dict(), indent=2) if a.json else result)
+    return 0
+
+
 def cmd_targets(a) -> int:
     from metainfer import targets
 
@@ -117,6 +131,19 @@ def main(argv=None) -> int:
     o.add_argument("--verify", action="store_true", help="check outputs against eager; name the first bad pass")
     o.add_argument("--cache-dir", help="compile cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
     o.set_defaults(fn=cmd_optimize)
+
+    pl = sub.add_parser("plan", help="choose parallelism per phase for a model on a target (cost-model predictions)")
+    pl.add_argument("--model", required=True, help="a models/ name (e.g. llama3-70b, deepseek-v3) or a Hugging Face "
+                    "config.json / model folder; no weights are read")
+    pl.add_argument("--target", default="pcie8", help="target name (see `metainfer targets`) or TOML path")
+    pl.add_argument("--phase", choices=("prefill", "decode", "both"), default="both")
+    pl.add_argument("--batch", type=int, help="sequences per batch (default: prefill 4, decode 64)")
+    pl.add_argument("--seq", type=int, help="prompt tokens (prefill) / context tokens (decode); default 4096")
+    pl.add_argument("--acceptance", type=float, help="speculative decoding acceptance rate per drafted token: "
+                    "choose the draft length for decode")
+    pl.add_argument("--weights", choices=("bf16", "fp8"), help="weight precision (default: the model's own)")
+    pl.add_argument("--json", action="store_true", help="print the candidates and choices as JSON")
+    pl.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("cache", help="show or clear the compile cache")
     c.add_argument("action", choices=("info", "clear"))

@@ -124,12 +124,17 @@ class Report:
             "graphs": [s.to_dict() for s in self.sections],
             "graph_breaks": self.graph_breaks,
             "notes": self.notes,
+            "collective_settings": {k: v for k, (v, _) in self.target.collective_settings().items()},
         }
 
     def __str__(self) -> str:
         out = [f"metainfer report: target {self.target.name} ({self.target.description}); "
                f"{len(self.sections)} graph(s) compiled ({self.recompilations} recompilation(s)); "
                f"pipeline: {', '.join(self.pipeline) or '(none)'}"]
+        settings = self.target.collective_settings()
+        if settings:
+            out.append(f"collective settings for {self.target.collective_backend}: "
+                       + ", ".join(f"{k}={v}" for k, (v, _) in settings.items()))
         if not self.sections:
             out.append("  (nothing compiled yet: the model has not been called)")
         for s in self.sections:
@@ -169,6 +174,8 @@ class Report:
               f"- graphs compiled: {len(self.sections)} ({self.recompilations} recompilation(s))"]
         for n in self.notes:
             md.append(f"- note: {n}")
+        for k, (v, why) in self.target.collective_settings().items():
+            md.append(f"- collective setting `{k}={v}`: {why}")
         for s in self.sections:
             md += ["", f"## Graph {s.index}", ""]
             if s.break_reasons:

@@ -81,3 +81,15 @@ def test_kernel_overrides(tmp_path):
     bad = targets.load(_write(tmp_path, BASE + "\n[kernels.flashy]\nBLOCK_M = 32\n"))
     with pytest.raises(ValueError, match="unknown kernels"):
         kernel_configs.activate(bad)
+
+
+def test_collective_settings_follow_the_topology(tmp_path):
+    pcie8 = targets.get("pcie8").collective_settings()
+    assert pcie8["NCCL_P2P_LEVEL"][0] == "PXB" and pcie8["NCCL_PROTO"][0] == "LL,Simple"
+    assert targets.get("pcie8-nop2p").collective_settings()["NCCL_P2P_DISABLE"][0] == "1"
+    assert targets.get("nvlink8").collective_settings() == {}, "NCCL's own tuning is made for NVLink"
+    assert targets.get("cpu").collective_settings() == {}
+    over = targets.load(_write(tmp_path, BASE + '\n[collectives.settings]\nNCCL_MIN_NCHANNELS = 4\n'))
+    assert over.collective_settings()["NCCL_MIN_NCHANNELS"] == ("4", "set in the target's [collectives.settings]")
+    with pytest.raises(TargetError, match="'topology.interconnect' must be one of"):
+        targets.load(_write(tmp_path, BASE.replace("p2p = true", 'p2p = true\ninterconnect = "infiniband"')))

@@ -52,6 +52,7 @@ class Topology:
     intra_island: LinkSpec
     inter_island: LinkSpec | None = None
     flat_ring_bus_bandwidth: float | None = None  # bytes/s, measured, for calibration
+    interconnect: str = "pcie"  # "pcie", "nvlink" or "host": what links the devices
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,26 @@ class Target:
     kernels: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per-kernel overrides
     pass_options: Mapping[str, Any] = field(default_factory=dict)  # [passes]: defaults for pass options
     source: str = ""  # where it was loaded from
+    collective_overrides: Mapping[str, str] = field(default_factory=dict)  # [collectives.settings]
+
+    def collective_settings(self) -> dict[str, tuple[str, str]]:
+        """Environment settings for the collective library, computed from the topology, with
+        the TOML's [collectives.settings] on top: name -> (value, why)."""
+        out: dict[str, tuple[str, str]] = {}
+        topo = self.topology
+        if self.collective_backend == "nccl" and self.num_devices > 1:
+            if not topo.p2p:
+                out["NCCL_P2P_DISABLE"] = ("1", "no GPU peer-to-peer on this box: stage through host memory")
+            elif len(topo.islands) > 1 and topo.interconnect == "pcie":
+                out["NCCL_P2P_LEVEL"] = ("PXB", "P2P through the PCIe switch inside an island; across the CPU "
+                                                 "boundary through host memory")
+            if topo.interconnect == "pcie":
+                out["NCCL_PROTO"] = ("LL,Simple", "LL128 relies on NVLink's write ordering; not for PCIe")
+                out["NCCL_ALGO"] = ("Ring", "metainfer picks two-shot / hierarchical itself as separate collectives; "
+                                            "each library call stays the flat ring the cost model prices")
+        for k, v in self.collective_overrides.items():
+            out[k] = (v, "set in the target's [collectives.settings]")
+        return out
 
     @property
     def device_kind(self) -> str:
@@ -137,18 +158,23 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         intra_island=topo.link("intra_island", required=True),
         inter_island=inter,
         flat_ring_bus_bandwidth=None if ring is None else topo.positive("flat_ring_bus_bandwidth_gbs") * 1e9,
+        interconnect=topo.choice("interconnect", ("pcie", "nvlink", "host"), default="pcie"),
     )
     coll = r.table("collectives")
     backend = coll.str("backend")
     if backend not in ("nccl", "gloo"):
         raise TargetError(f"{source}: collectives.backend must be 'nccl' or 'gloo', got {backend!r}")
+    overrides = coll.get("settings") or {}
+    if not isinstance(overrides, Mapping) or not all(isinstance(v, (str, int)) for v in overrides.values()):
+        raise TargetError(f"{source}: field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
     kernels = dict(data.get("kernels", {}))
     pass_options = data.get("passes", {})
     if not isinstance(pass_options, Mapping):
         raise TargetError(f"{source}: field 'passes' must be a table of pass options, got {pass_options!r}")
     return Target(name=name, description=r.str("description", default=name), num_devices=num_devices,
                   device=device, topology=topology, collective_backend=backend, kernels=kernels,
-                  pass_options=dict(pass_options), source=source)
+                  pass_options=dict(pass_options), source=source,
+                  collective_overrides={k: str(v) for k, v in overrides.items()})
 
 
 class _Reader:
@@ -180,6 +206,12 @@ class _Reader:
         v = self._need(key)
         if not isinstance(v, str):
             raise self._err(key, f"must be a string, got {v!r}")
+        return v
+
+    def choice(self, key: str, allowed: tuple[str, ...], default: str) -> str:
+        v = self.data.get(key, default)
+        if v not in allowed:
+            raise self._err(key, f"must be one of {allowed}, got {v!r}")
         return v
 
     def bool(self, key: str) -> bool:

@@ -3,10 +3,10 @@ speculative draft length, errors, the CLI; and its modelled layer against the si
 captured real-size graph."""
 
 import json
-import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +183,13 @@ def test_cli_plan_from_a_fresh_process_in_seconds():
     bad = subprocess.run([sys.executable, "-m", "metainfer", "plan", "--model", "deepseek-v3", "--target", "pcie8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "does not fit" in bad.stderr
+
+
+def test_bench_plan_runs():
+    out = subprocess.run([sys.executable, "bench/bench_plan.py", "--json"], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert {r["target"] for r in rows} >= {"pcie8", "nvlink8"}
+    assert any("error" in r and "does not fit" in r["error"] for r in rows)  # DeepSeek-V3 on 8 x 48 GB
+    assert all(r["tokens_per_second"] <= r["floor_tokens_per_second"] * (1 + 1e-9) for r in rows if "error" not in r)

@@ -228,7 +228,8 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
 def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passes: Iterable | None = None,
              disable: Iterable[str] = (), verify: bool = False, dump_dir: str | os.PathLike | None = None,
              lowering: str | None = None, pass_options: dict | None = None,
-             cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None) -> OptimizedModel:
+             cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None,
+             emulate: bool = False) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -245,16 +246,25 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     dynamic: Dynamo's choice for shapes: None (default) compiles the first shapes statically
         and recompiles once with symbolic sizes when they change; True starts symbolic;
         False specialises every shape (one graph per shape).
+    emulate: inside a job of several CPU ranks (gloo), run a multi-GPU target's pipeline
+        with its topology scaled onto the ranks (docs/distributed.md).
+
+    Inside a torch.distributed job of several ranks the model is sharded in place for tensor
+    parallelism over all ranks (its plan: Hugging Face's base_model_tp_plan or a models/
+    TP_PLAN) and every rank gets a callable whose outputs equal the unsharded model's.
     """
     args, kwargs = _as_args(example_inputs)
     if verify and example_inputs is None:
         raise ValueError("verify=True needs example_inputs to compare eager and optimized outputs on")
-    t = _targets.get(target)
+    from metainfer import distributed
+
+    t, dist_notes = distributed.prepare(model, target, emulate=emulate)
     if example_inputs is not None:
         _check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None
     opt = _build(model, t, passes, disable, lowering, pass_options, capture=verify, cache_dir=cache_dir,
                  dynamic=dynamic, dump_dir=dump)
+    opt.report.notes.extend(dist_notes)
     if example_inputs is None:
         return opt
     out = opt(*args, **kwargs)

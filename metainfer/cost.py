@@ -14,7 +14,8 @@ for reduce-scatter the unreduced input):
 - all_reduce: `ring` (flat ring over all ranks, NCCL's default: 2(n-1) steps of nbytes/n),
   `two_shot` (reduce-scatter then all-gather, each as one direct exchange with every peer:
   2 steps), `one_shot` (every rank reads every peer's whole buffer and reduces: 1 step,
-  needs P2P), `hierarchical` (ring reduce-scatter inside each island, ring all-reduce of the
+  needs P2P); these two are the algorithms of P2P all-reduce kernels (symmetric memory),
+  not of the library, whose reduce-scatter + all-gather are two rings; `hierarchical` (ring reduce-scatter inside each island, ring all-reduce of the
   shard across islands (the island's k rings share the boundary link), ring all-gather inside);
 - all_gather, reduce_scatter: `ring`;
 - all_to_all: `direct` (each rank sends nbytes/n to every peer in one step).
@@ -57,15 +58,20 @@ class CollectiveCost:
 class _Topo:
     """The group's shape: n ranks in m islands of k each, and the two link classes."""
 
-    def __init__(self, target: Target, ranks: int | None):
+    def __init__(self, target: Target, ranks: "int | tuple[int, ...] | list[int] | None"):
         islands = target.topology.islands
-        n = target.num_devices if ranks is None else ranks
-        if n < 1 or n > target.num_devices:
-            raise ValueError(f"ranks must be in 1..{target.num_devices} for target {target.name!r}, got {n}")
-        if ranks is not None and ranks != target.num_devices:
-            # a sub-group of the first `ranks` devices: the islands it touches
-            members = set(range(n))
-            islands = tuple(tuple(d for d in isl if d in members) for isl in islands)
+        if ranks is None:
+            members = list(range(target.num_devices))
+        elif isinstance(ranks, int):
+            members = list(range(ranks))  # a sub-group of the first `ranks` devices
+        else:
+            members = sorted(set(ranks))  # exactly these devices
+        n = len(members)
+        if n < 1 or n > target.num_devices or not all(0 <= d < target.num_devices for d in members):
+            raise ValueError(f"ranks must be 1..{target.num_devices} devices of target {target.name!r}, got {ranks!r}")
+        if n != target.num_devices:  # the islands the group touches
+            keep = set(members)
+            islands = tuple(tuple(d for d in isl if d in keep) for isl in islands)
             islands = tuple(isl for isl in islands if isl)
         sizes = {len(i) for i in islands}
         if len(sizes) != 1:
@@ -106,8 +112,9 @@ def _exchange(t: _Topo, per_peer: float) -> tuple[float, float, float]:
 
 
 def collective_cost(kind: str, nbytes: float, target: Target, algorithm: str | None = None,
-                    ranks: int | None = None) -> CollectiveCost:
-    """Predicted time and traffic of one collective of `nbytes` (see the module docstring)."""
+                    ranks: "int | tuple[int, ...] | None" = None) -> CollectiveCost:
+    """Predicted time and traffic of one collective of `nbytes` (see the module docstring).
+    `ranks`: the group: None for every device, n for the first n, or the device ids."""
     if kind not in ALGORITHMS:
         raise ValueError(f"unknown collective {kind!r}; known: {', '.join(ALGORITHMS)}")
     algorithm = algorithm or ALGORITHMS[kind][0]
@@ -151,7 +158,7 @@ def collective_cost(kind: str, nbytes: float, target: Target, algorithm: str | N
                           inside_steps + (2 * (m - 1) if m > 1 else 0))
 
 
-def candidates(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> list[CollectiveCost]:
+def candidates(kind: str, nbytes: float, target: Target, ranks=None) -> list[CollectiveCost]:
     """Every algorithm the target allows for this collective, priced."""
     out = []
     for alg in ALGORITHMS[kind]:
@@ -161,7 +168,7 @@ def candidates(kind: str, nbytes: float, target: Target, ranks: int | None = Non
     return out
 
 
-def best(kind: str, nbytes: float, target: Target, ranks: int | None = None) -> CollectiveCost:
+def best(kind: str, nbytes: float, target: Target, ranks=None) -> CollectiveCost:
     """The fastest allowed algorithm (ties: the first listed, i.e. the library default)."""
     return min(candidates(kind, nbytes, target, ranks), key=lambda c: c.seconds)
 

@@ -148,22 +148,25 @@ def _collective_bytes(node: torch.fx.Node, kind: str) -> float:
     return cost.tensor_bytes(val)
 
 
-def group_size(node: torch.fx.Node, target: Target) -> int:
-    """Ranks in a functional collective's group: its group_size argument, else the size of the
-    process group it names (when torch.distributed knows it), else the whole target."""
+def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
+    """The devices of a functional collective's group: the ranks of the process group it
+    names (when torch.distributed knows it), else its group_size argument (the first n
+    devices), else the whole target."""
     _, name = cost.op_name(node)
-    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        size = node.args[1] if name == "all_gather_into_tensor" else node.args[2]
-        if isinstance(size, int):
-            return size
     group = node.args[-1] if node.args and isinstance(node.args[-1], str) else node.kwargs.get("group_name")
     import torch.distributed as dist
 
     if isinstance(group, str) and dist.is_available() and dist.is_initialized():
         try:
-            return dist.distributed_c10d._resolve_process_group(group).size()
-        except Exception:  # a name from another process (a cached graph): fall back to the target
+            ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group))
+            if all(r < target.num_devices for r in ranks):
+                return tuple(ranks)
+        except Exception:  # a name from another process (a cached graph): fall back below
             pass
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        size = node.args[1] if name == "all_gather_into_tensor" else node.args[2]
+        if isinstance(size, int):
+            return min(size, target.num_devices)
     return target.num_devices
 
 
@@ -184,7 +187,7 @@ def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algori
         if _is_c10d(node) and name in _COLLECTIVES:
             kind = _COLLECTIVES[name]
             nbytes = _collective_bytes(node, kind)
-            ranks = min(group_size(node, target), target.num_devices)
+            ranks = group_ranks(node, target)
             c = cost.collective_cost(kind, nbytes, target, algorithms.get(node.name), ranks=ranks)
             ready[node] = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, deps)
         elif _is_c10d(node) and name == "wait_tensor":

@@ -113,9 +113,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the projections' widths: under tensor parallelism each rank has its share
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         past = 0
@@ -131,8 +132,8 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(s, past, x.device),
                                                      enable_gqa=True)
             return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-        k = repeat_kv(k, self.n_heads // self.n_kv_heads)
-        v = repeat_kv(v, self.n_heads // self.n_kv_heads)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, S, past + S)
         if s > 1:  # one new token sees the whole cache: no mask
             scores = scores.masked_fill(~_causal_mask(s, past, x.device), float("-inf"))
@@ -171,6 +172,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    # tensor parallelism (metainfer.distributed): heads and the MLP's hidden units split
+    TP_PLAN = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+               "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+               "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+               "layers.*.feed_forward.w2": "rowwise"}
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
@@ -194,8 +201,10 @@ class Llama(nn.Module):
             raise ValueError(f"cache length {max_len} must be in 1..max_seq_len ({self.config.max_seq_len})")
         p = self.output.weight
         for layer in self.layers:
-            layer.attention.cache = KVCache(batch, self.config.n_kv_heads, max_len, self.config.head_dim,
-                                            p.dtype, p.device)
+            wk = layer.attention.wk.weight
+            local = wk.to_local() if hasattr(wk, "to_local") else wk  # this rank's kv heads under TP
+            layer.attention.cache = KVCache(batch, local.shape[0] // self.config.head_dim, max_len,
+                                            self.config.head_dim, p.dtype, p.device)
 
     def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Logits (B, S, vocab) for tokens (B, S). Without `start_pos` the sequence stands

@@ -1,0 +1,219 @@
+"""metainfer inside a torch.distributed job: the process group, the target's topology over
+the job's ranks, and tensor-parallel sharding through DTensor.
+
+    torchrun --nproc-per-node 8 my_script.py      # my_script calls metainfer.optimize(...)
+
+- `start(target)` starts the process group (if the job has not) with the collective
+  library's settings that the target recommends (`Target.collective_settings()`) set first;
+  backend from the target (nccl) or gloo for CPU runs.
+- `emulated(target, world_size)`: the target's topology scaled onto `world_size` CPU ranks
+  (2 islands x 4 -> 2 x 2 on 4 ranks), device rates and links unchanged, device kind "cpu":
+  how the pcie8 pipeline runs under gloo in tests, every decision from pcie8's numbers.
+- `tp_plan(model)` / `shard(model, mesh)`: the model's tensor-parallel plan (Hugging Face's
+  `base_model_tp_plan`, or `TP_PLAN` declared beside a models/ model) applied with
+  `torch.distributed.tensor.parallel.parallelize_module`; clear errors before any collective
+  when the plan is missing or the heads do not split.
+- `island_groups(target)`: the sub-groups the hierarchical all-reduce runs on (this rank's
+  island, and the ranks with this rank's position in the other islands), created on every
+  rank in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from metainfer import targets as _targets
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def start(target, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Start the default process group from torchrun's environment unless the job already
+    has; set the target's collective-library settings first (ones the user set win).
+    Returns the settings applied, "NAME=value" each."""
+    t = _targets.get(target)
+    applied = []
+    for name, (value, _) in t.collective_settings().items():
+        if name not in os.environ:
+            os.environ[name] = value
+            applied.append(f"{name}={value}")
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if t.device.kind == "cuda" and torch.cuda.is_available() else "gloo")
+        if backend == "gloo":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return applied
+
+
+def emulated(target, world: int) -> _targets.Target:
+    """`target` scaled onto `world` CPU ranks: the same number of islands where `world`
+    divides evenly over them (else one island), rates and links unchanged."""
+    t = _targets.get(target)
+    if world > t.num_devices:
+        raise ValueError(f"{world} ranks but target {t.name!r} has {t.num_devices} devices")
+    m = len(t.topology.islands)
+    if world % m or world < m:
+        m = 1
+    k = world // m
+    islands = tuple(tuple(range(i * k, (i + 1) * k)) for i in range(m))
+    topo = dataclasses.replace(t.topology, islands=islands,
+                               inter_island=t.topology.inter_island if m > 1 else None)
+    dev = dataclasses.replace(t.device, kind="cpu")
+    return dataclasses.replace(t, name=f"{t.name}@{m}x{k}", num_devices=world, device=dev, topology=topo,
+                               description=f"{t.description}, emulated on {world} CPU ranks "
+                                           f"({m} island(s) of {k}) with gloo")
+
+
+# ---- tensor-parallel plans ----------------------------------------------------------------
+
+_STYLES = ("colwise", "rowwise")
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan: FQN pattern -> "colwise" | "rowwise"."""
+    declared = getattr(type(model), "TP_PLAN", None)
+    if declared is not None:
+        return dict(declared)
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
+            return {f"{prefix}.{k}": v for k, v in plan.items()}
+        return dict(plan)
+    raise ValueError(f"{type(model).__name__} has no tensor-parallel plan: neither a Hugging Face "
+                     "config.base_model_tp_plan nor a TP_PLAN declared on the model class")
+
+
+def _heads(model) -> tuple[int, int] | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
+    return (heads, kv) if heads else None
+
+
+def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
+    """The plan, after checking it can be applied at `degree` (before any collective)."""
+    plan = tp_plan(model)
+    bad = sorted({v for v in plan.values() if v not in _STYLES})
+    if bad:
+        raise ValueError(f"tensor-parallel plan of {type(model).__name__} uses style(s) {bad}; metainfer "
+                         f"applies {list(_STYLES)}")
+    heads = _heads(model)
+    if heads is not None:
+        h, kv = heads
+        if h % degree or kv % degree:
+            raise ValueError(f"{type(model).__name__}: {h} attention heads / {kv} key-value heads do not split "
+                             f"over tensor-parallel degree {degree}")
+    import fnmatch
+
+    names = [n for n, _ in model.named_modules()]
+    unmatched = [p for p in plan if not any(fnmatch.fnmatch(n, p) for n in names)]
+    if len(unmatched) == len(plan):
+        raise ValueError(f"tensor-parallel plan of {type(model).__name__} matches none of its modules "
+                         f"(e.g. {unmatched[0]!r})")
+    return plan
+
+
+def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
+    """Shard `model` in place over the 1-D `mesh` with its plan; returns the plan."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = check_shardable(model, mesh.size())
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {k: styles[v]() for k, v in plan.items()})
+    return plan
+
+
+def prepare(model: torch.nn.Module, target, *, emulate: bool) -> tuple[_targets.Target, list[str]]:
+    """Inside a job of several ranks: the target over the job's ranks (emulated on CPU ranks
+    if asked), the model sharded for tensor parallelism over all of them, the island
+    sub-groups created. Returns (target, notes for the report). Outside a job: unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    t = _targets.get(target)
+    w = world_size()
+    if w <= 1:
+        if emulate:
+            raise ValueError("emulate=True runs a multi-device target on CPU ranks: start a process group of "
+                             "several ranks first (torchrun, or metainfer.multirank.run in tests)")
+        return t, []
+    if w > t.num_devices:
+        raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices")
+    if emulate:
+        t = emulated(t, w)
+    elif w < t.num_devices:
+        raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices; run one rank "
+                         "per device, or emulate=True to scale the target's topology onto the job's ranks")
+    notes = []
+    if emulate:
+        notes.append(f"emulated: {t.description}; every decision takes the target's numbers, times are predictions")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        notes.append("model already sharded (DTensor parameters): used as it is")
+    else:
+        mesh = init_device_mesh(t.device.kind, (w,))
+        plan = shard(model, mesh)
+        notes.append(f"tensor parallel over {w} ranks (rank {rank()}): {len(plan)} plan entries of "
+                     f"{type(model).__name__} applied with DTensor parallelize_module")
+    island_groups(t)
+    return t, notes
+
+
+# ---- the topology's sub-groups ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IslandGroups:
+    islands: tuple[tuple[int, ...], ...]
+    intra: dict  # island index -> group name (ranks of one island); None where this rank is not in it
+    cross: dict  # local index -> group name (the ranks at that position in every island)
+
+    def intra_for(self, r: int) -> str:
+        return self.intra[next(i for i, isl in enumerate(self.islands) if r in isl)]
+
+    def cross_for(self, r: int) -> str:
+        isl = next(isl for isl in self.islands if r in isl)
+        return self.cross[isl.index(r)]
+
+
+_GROUPS: dict[tuple, IslandGroups] = {}
+
+
+def island_groups(target: _targets.Target) -> IslandGroups | None:
+    """Sub-groups for the target's islands over the job's ranks (None: one island or no job).
+    Every rank creates every group in the same order, as torch.distributed requires."""
+    if world_size() <= 1 or len(target.topology.islands) <= 1:
+        return None
+    islands = target.topology.islands
+    if sum(len(i) for i in islands) != world_size():
+        raise ValueError(f"target {target.name!r} has {sum(len(i) for i in islands)} devices, the job "
+                         f"{world_size()} ranks")
+    key = (islands, world_size())
+    if key not in _GROUPS:
+        def name(ranks):  # only members learn a group's name; others get None
+            g = dist.new_group(list(ranks))
+            return g.group_name if isinstance(g, dist.ProcessGroup) else None
+
+        intra = {i: name(isl) for i, isl in enumerate(islands)}
+        k = len(islands[0])
+        cross = {j: name([isl[j] for isl in islands]) for j in range(k)}
+        _GROUPS[key] = IslandGroups(islands, intra, cross)
+    return _GROUPS[key]

@@ -1,0 +1,235 @@
+"""Run a function on N ranks of a gloo process group on this machine, for tests (this
+project's and users' own): every rank is a fresh process, all traffic stays on 127.0.0.1,
+and nothing hangs.
+
+    results = multirank.run(fn, world_size=4, args=(...,), timeout_s=120)
+    # fn(rank, world_size, *args) runs on each rank with the process group started;
+    # results[r] is what rank r returned
+
+- The rendezvous store is hosted by the calling process on a port the OS picks, so parallel
+  runs never collide; gloo is pinned to the loopback interface.
+- A rank that raises writes its error to the store; every other rank's watchdog sees it and
+  exits with "rank R failed: ...", and `run` raises `RankFailure` naming the first failed
+  rank and its traceback. A rank that is killed (no chance to write) is named by its exit
+  status. Past `timeout_s` every rank still running is killed and `RankFailure` says which.
+- Collectives time out after `collective_timeout_s` (default: timeout_s) on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+FAILED_KEY = "metainfer/failed"
+
+
+class RankFailure(RuntimeError):
+    """A rank of a multi-rank run failed, was killed or timed out."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def _watchdog(store, rank: int, poll_s: float) -> None:
+    """Exit this rank as soon as another rank has reported a failure."""
+    while True:
+        time.sleep(poll_s)
+        try:
+            if store.check([FAILED_KEY]):
+                who = store.get(FAILED_KEY).decode(errors="replace")
+                if not who.startswith(f"{rank}:"):
+                    print(f"metainfer: rank {rank} exiting: rank {who.split(':', 1)[0]} failed "
+                          f"({who.split(':', 1)[1][:200]})", flush=True)
+                    os._exit(3)
+        except Exception:  # the store is gone: the caller is tearing the run down
+            os._exit(4)
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, collective_timeout_s: float,
+           backend: str, results) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("METAINFER_GLOO_IFNAME", "lo")  # loopback only
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                          timeout=datetime.timedelta(seconds=collective_timeout_s))
+    watch = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)  # its own connection
+    threading.Thread(target=_watchdog, args=(watch, rank, 0.2), daemon=True).start()
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", pickle.dumps(out)))
+        results.close()
+        results.join_thread()
+    except BaseException as e:  # noqa: BLE001 - everything a rank raises is reported
+        tb = traceback.format_exc()
+        try:
+            store.compare_set(FAILED_KEY, "", f"{rank}:{type(e).__name__}: {e}")
+        except Exception:
+            pass
+        results.put((rank, "error", tb))
+        results.close()
+        results.join_thread()  # the traceback reaches the caller before this process ends
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 120.0,
+        collective_timeout_s: float | None = None, backend: str = "gloo") -> list[Any]:
+    """fn(rank, world_size, *args) on `world_size` gloo ranks; returns each rank's result.
+    `fn` must be importable (a module-level function) and its result picklable."""
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args,
+                                              collective_timeout_s or timeout_s, backend, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    ok = False
+    try:
+        while len(out) < world_size:
+            _drain(results, out, errors)
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if errors or dead:
+                time.sleep(1.0)  # let the others report: the first cause is among them
+                _drain(results, out, errors)
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                raise _failure(errors, dead, store)
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(procs) if p.is_alive() and r not in out]
+                raise RankFailure(f"timed out after {timeout_s:g} s; rank(s) {running} still running "
+                                  f"({len(out)} of {world_size} finished)", rank=running[0] if running else None)
+            time.sleep(0.05)
+        ok = True
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if ok else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        results.join_thread()
+        del store
+
+
+def _drain(results, out: dict, errors: dict) -> None:
+    while not results.empty():
+        rank, status, payload = results.get()
+        if status == "ok":
+            out[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
+
+
+def _failure(errors: dict[int, str], dead: dict[int, int], store) -> RankFailure:
+    """The first cause of a failed run: a rank killed by a signal, else the rank that
+    reported first in the store, else the lowest rank with an error."""
+    killed = sorted(r for r, code in dead.items() if code < 0)
+    if killed:
+        r = killed[0]
+        return RankFailure(f"rank {r} was killed (signal {-dead[r]}); the other ranks then failed", rank=r)
+    first = None
+    try:
+        if store.check([FAILED_KEY]):
+            first = int(store.get(FAILED_KEY).decode().split(":", 1)[0])
+    except Exception:
+        pass
+    if first is None or first not in errors:
+        first = min(errors) if errors else min(dead)
+    if first in errors:
+        return RankFailure(f"rank {first} failed:\n{errors[first]}", rank=first)
+    return RankFailure(f"rank {first} died (exit status {dead[first]}) without reporting an error", rank=first)
+
+
+class SentBytes:
+    """Bytes this rank actually sent to each other rank over TCP (gloo's connections) while
+    the block ran, read from the kernel's socket counters (`ss -tinp`, iproute2):
+
+        with SentBytes() as sent:
+            ...collectives...
+        sent.by_rank   # {peer rank: bytes}; collective: every rank must leave the block
+
+    Leaving the block exchanges the ranks' socket addresses (a small all_gather_object),
+    which is how a connection's peer is named; that exchange is not counted."""
+
+    def __enter__(self) -> "SentBytes":
+        import shutil
+
+        if shutil.which("ss") is None:
+            raise RuntimeError("SentBytes needs the `ss` tool (iproute2)")
+        self._before = _socket_bytes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        after = _socket_bytes()
+        if exc[0] is not None:
+            return
+        delta = {k: v - self._before.get(k, 0) for k, v in after.items()}
+        mine = sorted({local for local, _ in after})
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        owner = {addr: r for r, addrs in enumerate(everyone) for addr in addrs}
+        self.by_rank: dict[int, int] = {}
+        for (local, peer), n in delta.items():
+            r = owner.get(peer)
+            if r is not None and r != dist.get_rank() and n > 0:
+                self.by_rank[r] = self.by_rank.get(r, 0) + n
+
+    def by_link(self, islands) -> dict[str, int]:
+        """{"intra": bytes to ranks of this rank's island, "inter": bytes to other islands}."""
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        home = next(set(i) for i in islands if me in i)
+        out = {"intra": 0, "inter": 0}
+        for r, n in self.by_rank.items():
+            out["intra" if r in home else "inter"] += n
+        return out
+
+
+def _normal(addr: str) -> str:
+    return addr.replace("[::ffff:", "").replace("]", "")
+
+
+def _socket_bytes() -> dict[tuple[str, str], int]:
+    """(local address, peer address) -> bytes acknowledged by the peer, for this process's
+    TCP sockets."""
+    import re
+    import subprocess
+
+    text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    lines = text.splitlines()
+    tag = f"pid={os.getpid()},"
+    out = {}
+    for i, line in enumerate(lines):
+        if tag not in line:
+            continue
+        parts = line.split()
+        info = lines[i + 1] if i + 1 < len(lines) else ""
+        m = re.search(r"bytes_acked:(\d+)", info)
+        out[(_normal(parts[3]), _normal(parts[4]))] = int(m.group(1)) if m else 0
+    return out

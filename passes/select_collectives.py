@@ -1,0 +1,145 @@
+"""select_collectives: each all-reduce rewritten to the algorithm the cost model picks for its
+size on the target.
+
+    wait(all_reduce(x, "sum", world))
+      -> ring:          unchanged (the library's default)
+      -> hierarchical:  wait(all_gather(wait(all_reduce(wait(reduce_scatter(flat(x), island)),
+                                                          across)), island))
+      -> one_shot / two_shot: the direct-exchange algorithms of P2P all-reduce kernels (CUDA
+                        symmetric memory); only where those exist, never on CPU. Through the
+                        collective library a reduce-scatter + all-gather is two rings, i.e.
+                        the ring's own time, so that is never offered as "two-shot".
+
+`flat(x)` is x flattened and zero-padded to a multiple of the group size; the result is cut
+back and reshaped. Hierarchical runs on the island sub-groups `metainfer.distributed`
+creates for the target (reduce-scatter inside each island, all-reduce of the shard across
+islands between the ranks at the same position, all-gather inside the island): only the
+shard crosses the slow boundary. Every rank rewrites its graph identically (the decision
+depends on sizes and the target only), so collective order stays the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from metainfer import cost
+
+from .base import Pass, PassContext, PassResult, register
+from .matching import Node, insert_call, location, shape, tensor_val
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+_LABEL = {"ring": "flat ring", "two_shot": "two-shot", "hierarchical": "hierarchical", "one_shot": "one-shot"}
+
+
+def _group(name: str):
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception:
+        return None
+
+
+def _symmetric_memory_available(target) -> bool:
+    if target.device.kind != "cuda" or not target.topology.p2p or not torch.cuda.is_available():
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return False  # the symmetric-memory path is not wired yet: never selected
+
+
+@register
+class SelectCollectives(Pass):
+    """all_reduce -> the algorithm the cost model picks for its size on the target (ring or hierarchical over islands)"""
+
+    name = "select_collectives"
+
+    def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
+        from metainfer import distributed
+
+        res = PassResult(modified=False)
+        target = ctx.target
+        direct = {"one_shot", "two_shot"} if _symmetric_memory_available(target) else set()
+        allowed = {"ring", "hierarchical"} | direct
+        groups = distributed.island_groups(target) if dist.is_available() and dist.is_initialized() else None
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not c10d.all_reduce.default:
+                continue
+            x, op, group_name = node.args[:3]
+            waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+            val = tensor_val(x)
+            pg = _group(group_name)
+            if len(waits) != 1 or len(node.users) != 1 or val is None or pg is None:
+                res.near_misses.append(f"{location(node)}: all_reduce kept: not a single wait on a known group")
+                continue
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            n = len(ranks)
+            if n < 2 or max(ranks) >= target.num_devices:
+                continue
+            if op != "sum":
+                res.near_misses.append(f"{location(node)}: all_reduce kept: reduce op {op!r} (only sum is rewritten)")
+                continue
+            numel = val.numel()
+            if not isinstance(numel, int):
+                res.near_misses.append(f"{location(node)}: all_reduce kept: symbolic size")
+                continue
+            nbytes = numel * val.element_size()
+            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
+            whole_world = n == dist.get_world_size() and groups is not None
+            if not whole_world:
+                options = [c for c in options if c.algorithm != "hierarchical"]
+            chosen = min(options, key=lambda c: c.seconds)
+            ring = next(c for c in options if c.algorithm == "ring")
+            others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)
+            where = location(node)
+            head = (f"{where}: all_reduce {nbytes / 2**10:.1f} KiB over {n} ranks: {_LABEL[chosen.algorithm]}, "
+                    f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; across islands "
+                    f"{chosen.bytes_inter / 2**10:.1f} KiB vs ring {ring.bytes_inter / 2**10:.1f} KiB")
+            if chosen.algorithm == "ring":
+                res.decisions.append(head + " (kept)")
+                continue
+            if chosen.algorithm != "hierarchical":  # one/two-shot: not reachable until symmetric memory is wired
+                raise NotImplementedError(f"all_reduce algorithm {chosen.algorithm!r}")
+            else:
+                out = _hierarchical(graph, node, x, groups.intra_for(me), groups.cross_for(me),
+                                    len(groups.islands[0]), numel)
+            waits[0].replace_all_uses_with(out)
+            graph.erase_node(waits[0])
+            graph.erase_node(node)
+            res.decisions.append(head)
+            res.matches += 1
+            res.modified = True
+        return res
+
+
+def _flat_padded(graph, before: Node, x: Node, numel: int, multiple: int) -> Node:
+    flat = insert_call(graph, before, aten.reshape.default, (x, [numel]), meta_from=before)
+    pad = (-numel) % multiple
+    if pad:
+        flat = insert_call(graph, before, aten.constant_pad_nd.default, (flat, [0, pad], 0.0), meta_from=before)
+    return flat
+
+
+def _restore(graph, before: Node, y: Node, x: Node, numel: int) -> Node:
+    if tensor_val(y).numel() != numel:
+        y = insert_call(graph, before, aten.slice.Tensor, (y, 0, 0, numel), meta_from=before)
+    return insert_call(graph, before, aten.reshape.default, (y, list(shape(x))), meta_from=before)
+
+
+def _wait(graph, before, t):
+    return insert_call(graph, before, c10d.wait_tensor.default, (t,), meta_from=before)
+
+
+def _hierarchical(graph, node: Node, x: Node, intra: str, cross: str, k: int, numel: int) -> Node:
+    flat = _flat_padded(graph, node, x, numel, k)
+    rs = _wait(graph, node, insert_call(graph, node, c10d.reduce_scatter_tensor.default, (flat, "sum", k, intra),
+                                        meta_from=node))
+    ar = _wait(graph, node, insert_call(graph, node, c10d.all_reduce.default, (rs, "sum", cross), meta_from=node))
+    ag = _wait(graph, node, insert_call(graph, node, c10d.all_gather_into_tensor.default, (ar, k, intra),
+                                        meta_from=node))
+    return _restore(graph, node, ag, x, numel)
+

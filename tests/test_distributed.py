@@ -1,0 +1,210 @@
+"""metainfer inside a torch.distributed job, on gloo ranks of this machine (127.0.0.1):
+tensor-parallel equivalence with the unsharded eager model on every rank, select_collectives
+(fires, equivalence, bytes across the island boundary measured), bad input and rank
+failures. The 8-rank tier is marked `ranks8` (pytest -m ranks8)."""
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import metainfer
+from metainfer import distributed, models, multirank, targets
+from metainfer.testing import tiny_hf_model
+
+TIMEOUT_S = 240
+
+
+# ---- what each rank runs (module level: the ranks import this file) ----------------------
+
+def _model(kind: str, kv_heads: int):
+    heads = max(4, kv_heads)
+    if kind == "models-llama":
+        model = models.build("llama-tiny", n_heads=heads, n_kv_heads=kv_heads)
+        return model, models.example_inputs("llama-tiny", batch=2, seq=16)[0], lambda out: out
+    arch = {"hf-llama": "Llama", "hf-qwen2": "Qwen2"}[kind]
+    model = tiny_hf_model(arch, attn="eager", layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, ids, lambda out: out.logits
+
+
+def tp_equivalence(rank, world, kind, kv_heads, passes=None):
+    """The unsharded model's output (computed here before sharding, the same weights on every
+    rank), then optimize() on the job; the largest difference and the pass records."""
+    model, ids, logits = _model(kind, kv_heads)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             passes=passes)
+    with torch.no_grad():
+        out = logits(opt(ids))
+    rec = {r.name: (r.matches, r.decisions) for r in opt.report.passes}
+    return (out - ref).abs().max().item(), rec, opt.report.target.name, opt.report.notes
+
+
+def all_reduce_bytes(rank, world, algorithm, nbytes):
+    """Bytes this rank sends to its own island and across, for one all-reduce of `nbytes`
+    run as the flat ring or as the hierarchical rewrite's three collectives, and whether
+    the result is right."""
+    t = distributed.emulated("pcie8", world)
+    groups = distributed.island_groups(t)
+    k = len(groups.islands[0])
+    intra = dist.distributed_c10d._resolve_process_group(groups.intra_for(rank))
+    cross = dist.distributed_c10d._resolve_process_group(groups.cross_for(rank))
+
+    def run():
+        x = torch.full((nbytes // 4,), float(rank + 1))
+        if algorithm == "ring":
+            dist.all_reduce(x)
+            return x
+        shard = torch.empty(x.numel() // k)
+        dist.reduce_scatter_tensor(shard, x, group=intra)
+        dist.all_reduce(shard, group=cross)
+        dist.all_gather_into_tensor(x, shard, group=intra)
+        return x
+
+    run()  # connections set up before counting
+    with multirank.SentBytes() as sent:
+        y = run()
+    return sent.by_link(t.topology.islands), bool(torch.all(y == world * (world + 1) / 2))
+
+
+def raising_rank(rank, world):
+    model = models.build("llama-tiny")
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    metainfer.optimize(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8), emulate=True,
+                       lowering="aot_eager")
+    time.sleep(60)
+
+
+def killed_rank(rank, world):
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    time.sleep(60)
+
+
+def bad_heads(rank, world):
+    model = models.build("llama-tiny")  # 4 heads, 2 kv heads: not over 4 ranks
+    metainfer.optimize(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8), emulate=True)
+
+
+def no_plan(rank, world):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    metainfer.optimize(model, "pcie8", example_inputs=(torch.randn(2, 8),), emulate=True)
+
+
+def world_mismatch(rank, world):
+    metainfer.optimize(models.build("llama-tiny"), "pcie8", example_inputs=models.example_inputs("llama-tiny"))
+
+
+# ---- tiers ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen2", "models-llama"])
+def test_two_ranks_equal_the_unsharded_model(kind):
+    results = multirank.run(tp_equivalence, 2, args=(kind, 2), timeout_s=TIMEOUT_S)
+    for diff, rec, target, notes in results:
+        assert diff < 1e-4, diff
+        assert target == "pcie8@2x1" and any("emulated" in n for n in notes)
+        assert any("tensor parallel over 2 ranks" in n for n in notes)
+        assert rec["fuse_attention"][0] == 2  # attention over each rank's own heads still fuses
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "models-llama"])
+def test_four_ranks_hierarchical_all_reduce(kind):
+    results = multirank.run(tp_equivalence, 4, args=(kind, 4), timeout_s=TIMEOUT_S)
+    decisions = [rec["select_collectives"] for _, rec, _, _ in results]
+    for diff, rec, target, _ in results:
+        assert diff < 1e-4, diff
+        assert target == "pcie8@2x2"
+    matches, lines = decisions[0]
+    assert matches == 4, lines  # o_proj and down_proj of 2 layers
+    assert all("hierarchical" in line for line in lines)
+    assert all(d == decisions[0] for d in decisions), "every rank decides the same"
+
+
+def test_select_collectives_does_not_fire_outside_the_pipeline():
+    """Naming the passes without it keeps the library's ring (and the outputs)."""
+    passes = ["fuse_attention"]
+    results = multirank.run(tp_equivalence, 4, args=("hf-llama", 4, passes), timeout_s=TIMEOUT_S)
+    for diff, rec, _, _ in results:
+        assert diff < 1e-4 and "select_collectives" not in rec
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to read socket counters")
+def test_hierarchical_sends_fewer_bytes_across_islands_measured():
+    nbytes = 4 << 20
+    ring = multirank.run(all_reduce_bytes, 4, args=("ring", nbytes), timeout_s=TIMEOUT_S)
+    hier = multirank.run(all_reduce_bytes, 4, args=("hierarchical", nbytes), timeout_s=TIMEOUT_S)
+    assert all(ok for _, ok in ring + hier)
+    ring_inter = sum(b["inter"] for b, _ in ring)
+    hier_inter = sum(b["inter"] for b, _ in hier)
+    from metainfer import cost
+
+    t = distributed.emulated("pcie8", 4)
+    predicted = (cost.collective_cost("all_reduce", nbytes, t, "hierarchical").bytes_inter
+                 / cost.collective_cost("all_reduce", nbytes, t, "ring").bytes_inter)
+    measured = hier_inter / ring_inter
+    print(f"bytes across islands, hierarchical / ring: measured {measured:.3f}, formula {predicted:.3f}")
+    assert measured < 0.8
+    assert measured == pytest.approx(predicted, rel=0.1)
+
+
+# ---- bad input and failures -------------------------------------------------------------
+
+def test_heads_that_do_not_split_fail_before_any_collective():
+    with pytest.raises(multirank.RankFailure, match="2 key-value heads do not split over tensor-parallel degree 4"):
+        multirank.run(bad_heads, 4, timeout_s=TIMEOUT_S)
+
+
+def test_model_without_a_plan_is_refused():
+    with pytest.raises(multirank.RankFailure, match="has no tensor-parallel plan"):
+        multirank.run(no_plan, 2, timeout_s=TIMEOUT_S)
+
+
+def test_world_size_must_match_the_target_unless_emulated():
+    with pytest.raises(multirank.RankFailure, match="emulate=True"):
+        multirank.run(world_mismatch, 2, timeout_s=TIMEOUT_S)
+
+
+def test_emulate_outside_a_job_is_refused():
+    with pytest.raises(ValueError, match="start a process group"):
+        metainfer.optimize(models.build("llama-tiny"), "pcie8", emulate=True)
+
+
+def test_a_rank_that_raises_fails_the_run_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(multirank.RankFailure, match="deliberate failure on rank 1") as e:
+        multirank.run(raising_rank, 2, timeout_s=TIMEOUT_S)
+    assert e.value.rank == 1 and time.monotonic() - t0 < 60
+
+
+def test_a_killed_rank_fails_the_run_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(multirank.RankFailure, match="rank 0 was killed") as e:
+        multirank.run(killed_rank, 4, timeout_s=TIMEOUT_S)
+    assert e.value.rank == 0 and time.monotonic() - t0 < 60
+
+
+def test_a_hang_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(multirank.RankFailure, match="timed out after 5 s"):
+        multirank.run(killed_rank_sleeps, 2, timeout_s=5)
+    assert time.monotonic() - t0 < 20
+
+
+def killed_rank_sleeps(rank, world):
+    time.sleep(60)
+
+
+@pytest.mark.ranks8
+def test_eight_ranks_pcie8_topology():
+    results = multirank.run(tp_equivalence, 8, args=("hf-llama", 8), timeout_s=600)
+    for diff, rec, target, _ in results:
+        assert diff < 1e-4 and target == "pcie8@2x4"

@@ -125,6 +125,10 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
                              f"over tensor-parallel degree {degree}")
     import fnmatch
 
+    quantised = [n for n, m in model.named_modules() if getattr(m, "block", 0) and any(fnmatch.fnmatch(n, p) for p in plan)]
+    if quantised:
+        raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
+                         f"supported yet ({quantised[0]} and others would need their scales split too)")
     names = [n for n, _ in model.named_modules()]
     unmatched = [p for p in plan if not any(fnmatch.fnmatch(n, p) for n in names)]
     if len(unmatched) == len(plan):

@@ -130,15 +130,17 @@ def weight_dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: 
     return (w.to(torch.float32) * s).to(dtype)
 
 
-class Linear(nn.Module):
-    """nn.Linear without bias whose weight may be FP8 with per-block scales."""
+class Linear(nn.Linear):
+    """nn.Linear without bias whose weight may be FP8 with per-block scales (an nn.Linear,
+    so torch's tensor-parallel styles shard it)."""
 
     def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        super().__init__(in_features, out_features, bias=False)
         nn.init.normal_(self.weight, std=in_features ** -0.5)
         self.block = 0  # > 0 once quantised
+
+    def reset_parameters(self) -> None:
+        pass  # initialised above (normal, std in^-1/2); nn.Linear's own init would draw extra numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block:
@@ -217,7 +219,8 @@ class MLA(nn.Module):
         past = 0 if start_pos is None else start_pos
         end = past + s
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(b, s, self.n_heads, self.nope + self.rope_dim)
+        # heads from the projection's width: under tensor parallelism each rank has its share
+        q = self.wq_b(qr).view(b, s, -1, self.nope + self.rope_dim)
         q_nope, q_pe = torch.split(q, [self.nope, self.rope_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin)
         kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -228,9 +231,9 @@ class MLA(nn.Module):
             self.pe_cache[:b, start_pos:end] = k_pe
             kv, k_pe = self.kv_cache[:b, :end], self.pe_cache[:b, :end]
         # decompress every cached token, then attend over full keys and values
-        kv = self.wkv_b(kv).view(b, end, self.n_heads, self.nope + self.v_dim)
+        kv = self.wkv_b(kv).view(b, end, -1, self.nope + self.v_dim)
         k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S|T, D)
         if self.indexer is not None:  # DSA: the top-k selection folded into the mask
@@ -334,6 +337,14 @@ class Block(nn.Module):
 
 
 class DeepSeek(nn.Module):
+    # tensor parallelism (metainfer.distributed): MLA heads (q_b, kv_b, o) and the dense and
+    # shared-expert MLPs split; the latent projections, router and routed experts stay whole
+    # on every rank (expert parallelism is not applied yet)
+    TP_PLAN = {"layers.*.attn.wq_b": "colwise", "layers.*.attn.wkv_b": "colwise", "layers.*.attn.wo": "rowwise",
+               "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
+               "layers.*.ffn.shared_experts.w1": "colwise", "layers.*.ffn.shared_experts.w3": "colwise",
+               "layers.*.ffn.shared_experts.w2": "rowwise"}
+
     def __init__(self, cfg: DeepSeekConfig):
         super().__init__()
         self.config = cfg

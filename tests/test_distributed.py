@@ -23,6 +23,10 @@ TIMEOUT_S = 240
 
 def _model(kind: str, kv_heads: int):
     heads = max(4, kv_heads)
+    if kind in ("models-deepseek", "models-deepseek-v32"):
+        name = "deepseek-tiny" if kind == "models-deepseek" else "deepseek-v32-tiny"
+        model = models.build(name, n_heads=heads)
+        return model, models.example_inputs(name, batch=2, seq=16)[0], lambda out: out
     if kind == "models-llama":
         model = models.build("llama-tiny", n_heads=heads, n_kv_heads=kv_heads)
         return model, models.example_inputs("llama-tiny", batch=2, seq=16)[0], lambda out: out
@@ -106,17 +110,18 @@ def world_mismatch(rank, world):
 
 # ---- tiers ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen2", "models-llama"])
+@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen2", "models-llama", "models-deepseek", "models-deepseek-v32"])
 def test_two_ranks_equal_the_unsharded_model(kind):
     results = multirank.run(tp_equivalence, 2, args=(kind, 2), timeout_s=TIMEOUT_S)
     for diff, rec, target, notes in results:
         assert diff < 1e-4, diff
         assert target == "pcie8@2x1" and any("emulated" in n for n in notes)
         assert any("tensor parallel over 2 ranks" in n for n in notes)
-        assert rec["fuse_attention"][0] == 2  # attention over each rank's own heads still fuses
+        fused = rec["fuse_attention"][0] + rec["mla_prefill"][0] + rec["sparse_mla"][0]
+        assert fused >= 2  # attention over each rank's own heads still fuses
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "models-llama"])
+@pytest.mark.parametrize("kind", ["hf-llama", "models-llama", "models-deepseek"])
 def test_four_ranks_hierarchical_all_reduce(kind):
     results = multirank.run(tp_equivalence, 4, args=(kind, 4), timeout_s=TIMEOUT_S)
     decisions = [rec["select_collectives"] for _, rec, _, _ in results]
@@ -124,7 +129,7 @@ def test_four_ranks_hierarchical_all_reduce(kind):
         assert diff < 1e-4, diff
         assert target == "pcie8@2x2"
     matches, lines = decisions[0]
-    assert matches == 4, lines  # o_proj and down_proj of 2 layers
+    assert matches == 4, lines  # the attention output and the (shared-expert) MLP of 2 layers
     assert all("hierarchical" in line for line in lines)
     assert all(d == decisions[0] for d in decisions), "every rank decides the same"
 

@@ -179,7 +179,27 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool) -> tuple[_targets.
         notes.append(f"tensor parallel over {w} ranks (rank {rank()}): {len(plan)} plan entries of "
                      f"{type(model).__name__} applied with DTensor parallelize_module")
     island_groups(t)
+    advice = _planner_advice(model, target)
+    if advice:
+        notes.append(advice)
     return t, notes
+
+
+def _planner_advice(model, target) -> str | None:
+    """What the planner would run this model with on the real target, beside what the job
+    runs (tensor parallel over every rank: the one plan metainfer executes so far)."""
+    from metainfer import planner, shapes
+
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    try:
+        result = planner.plan(shapes.resolve(cfg), target, batch={"prefill": 1, "decode": 8}, seq=1024)
+    except Exception:  # a shape the planner cannot read, or nothing fits: no advice
+        return None
+    picks = ", ".join(f"{ph} {p.chosen.plan.label}" for ph, p in result.phases.items() if p.chosen)
+    return (f"planner on {_targets.get(target).name} (1 x 1024 prefill, 8 x 1024 decode): {picks}; this job runs "
+            f"tp{world_size()} (the plan metainfer executes today is tensor parallel over every rank)")
 
 
 # ---- the topology's sub-groups ------------------------------------------------------------

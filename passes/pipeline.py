@@ -11,9 +11,10 @@ from .base import Pass, get_pass, pass_names
 # fuse_moe and mla_decode read the FP8 dequantisation of their weights, so they run before
 # fp8_gemm takes the remaining linears; mla_prefill claims the MLA attentions before
 # fuse_attention takes the rest; sparse_mla and mla_decode rewrite fused attention ops; the
-# pointwise/norm fusions come next; the communication passes last, on the final compute.
+# pointwise/norm fusions come next; the communication passes last, on the final compute:
+# sequence_parallel takes the all-reduces it pays for, select_collectives picks algorithms for the rest.
 DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm",
-                 "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "select_collectives")
+                 "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "sequence_parallel", "select_collectives")
 
 
 def default_pipeline(target: Target) -> list[str]:

@@ -50,6 +50,18 @@ def tp_equivalence(rank, world, kind, kv_heads, passes=None):
     return (out - ref).abs().max().item(), rec, opt.report.target.name, opt.report.notes
 
 
+def sequence_parallel_run(rank, world, target, kind):
+    model, ids, logits = _model(kind, 4)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, target, example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             passes=["fuse_attention", "sequence_parallel", "select_collectives"])
+    with torch.no_grad():
+        out = logits(opt(ids))
+    sp, sel = opt.report.record("sequence_parallel"), opt.report.record("select_collectives")
+    return (out - ref).abs().max().item(), sp.matches, sp.decisions, sp.near_misses, sel.matches
+
+
 def all_reduce_bytes(rank, world, algorithm, nbytes):
     """Bytes this rank sends to its own island and across, for one all-reduce of `nbytes`
     run as the flat ring or as the hierarchical rewrite's three collectives, and whether
@@ -159,6 +171,47 @@ def test_hierarchical_sends_fewer_bytes_across_islands_measured():
     print(f"bytes across islands, hierarchical / ring: measured {measured:.3f}, formula {predicted:.3f}")
     assert measured < 0.8
     assert measured == pytest.approx(predicted, rel=0.1)
+
+
+# A box whose memory is slow next to its links: the token-wise work sequence parallelism
+# divides matters more than the collectives it reshapes, so the cost model takes it.
+SLOW_MEMORY = """
+name = "slow-memory4"
+description = "4 devices, one island, slow memory (sequence parallelism pays)"
+num_devices = 4
+[device]
+kind = "cuda"
+name = "test device"
+peak_tflops = { fp32 = 1, tf32 = 1, bf16 = 1, fp16 = 1, fp8 = 1 }
+memory_gib = 16
+memory_bandwidth_gbs = 0.05
+launch_overhead_us = 0
+[topology]
+islands = [[0, 1, 2, 3]]
+p2p = false
+intra_island = { bandwidth_gbs = 26, latency_us = 40 }
+[collectives]
+backend = "nccl"
+"""
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "models-deepseek"])
+def test_sequence_parallel_fires_where_it_pays(tmp_path, kind):
+    path = tmp_path / "slow.toml"
+    path.write_text(SLOW_MEMORY)
+    results = multirank.run(sequence_parallel_run, 4, args=(str(path), kind), timeout_s=TIMEOUT_S)
+    for diff, matches, decisions, near, selected in results:
+        assert diff < 1e-4, diff
+        assert matches == 4, (decisions, near)  # both all-reduces of both layers
+        assert "token-wise op(s)" in decisions[0] and "of 32 tokens" in decisions[0]
+        assert selected == 0, "no all-reduce left for select_collectives"
+
+
+def test_sequence_parallel_declines_where_an_island_aware_all_reduce_is_cheaper():
+    results = multirank.run(sequence_parallel_run, 4, args=("pcie8", "hf-llama"), timeout_s=TIMEOUT_S)
+    for diff, matches, decisions, near, selected in results:
+        assert diff < 1e-4 and matches == 0 and selected == 4
+        assert any("sequence_parallel not applied on pcie8@2x2" in n for n in near)
 
 
 # ---- bad input and failures -------------------------------------------------------------

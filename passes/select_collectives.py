@@ -30,8 +30,21 @@ from .matching import Node, insert_call, location, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 _LABEL = {"ring": "flat ring", "two_shot": "two-shot", "hierarchical": "hierarchical", "one_shot": "one-shot"}
+# optional low-precision transport (pass option / target [passes] "all_reduce_dtype"): off by
+# default, because summing in bf16 rounds; see docs/passes.md for the error bound
+TRANSPORT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transport_dtype(ctx: PassContext) -> torch.dtype | None:
+    name = ctx.options.get("all_reduce_dtype", ctx.target.pass_options.get("all_reduce_dtype"))
+    if name is None:
+        return None
+    if name not in TRANSPORT:
+        raise ValueError(f"all_reduce_dtype must be one of {sorted(TRANSPORT)} (or unset), got {name!r}")
+    return TRANSPORT[name]
 
 
 def _group(name: str):
@@ -62,6 +75,7 @@ class SelectCollectives(Pass):
 
         res = PassResult(modified=False)
         target = ctx.target
+        low = transport_dtype(ctx)
         direct = {"one_shot", "two_shot"} if _symmetric_memory_available(target) else set()
         allowed = {"ring", "hierarchical"} | direct
         groups = distributed.island_groups(target) if dist.is_available() and dist.is_initialized() else None
@@ -87,7 +101,8 @@ class SelectCollectives(Pass):
             if not isinstance(numel, int):
                 res.near_misses.append(f"{location(node)}: all_reduce kept: symbolic size")
                 continue
-            nbytes = numel * val.element_size()
+            narrow = low is not None and val.dtype.is_floating_point and val.element_size() > low.itemsize
+            nbytes = numel * (low.itemsize if narrow else val.element_size())
             options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
             whole_world = n == dist.get_world_size() and groups is not None
             if not whole_world:
@@ -99,14 +114,22 @@ class SelectCollectives(Pass):
             head = (f"{where}: all_reduce {nbytes / 2**10:.1f} KiB over {n} ranks: {_LABEL[chosen.algorithm]}, "
                     f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; across islands "
                     f"{chosen.bytes_inter / 2**10:.1f} KiB vs ring {ring.bytes_inter / 2**10:.1f} KiB")
-            if chosen.algorithm == "ring":
+            if narrow:
+                head += f"; sent as {str(low).replace('torch.', '')} (all_reduce_dtype)"
+            if chosen.algorithm == "ring" and not narrow:
                 res.decisions.append(head + " (kept)")
                 continue
-            if chosen.algorithm != "hierarchical":  # one/two-shot: not reachable until symmetric memory is wired
+            if chosen.algorithm not in ("ring", "hierarchical"):  # one/two-shot: not until symmetric memory is wired
                 raise NotImplementedError(f"all_reduce algorithm {chosen.algorithm!r}")
+            src = insert_call(graph, node, prims.convert_element_type.default, (x, low), meta_from=node) if narrow else x
+            if chosen.algorithm == "ring":
+                ar = insert_call(graph, node, c10d.all_reduce.default, (src, "sum", group_name), meta_from=node)
+                out = insert_call(graph, node, c10d.wait_tensor.default, (ar,), meta_from=node)
             else:
-                out = _hierarchical(graph, node, x, groups.intra_for(me), groups.cross_for(me),
+                out = _hierarchical(graph, node, src, groups.intra_for(me), groups.cross_for(me),
                                     len(groups.islands[0]), numel)
+            if narrow:
+                out = insert_call(graph, node, prims.convert_element_type.default, (out, val.dtype), meta_from=node)
             waits[0].replace_all_uses_with(out)
             graph.erase_node(waits[0])
             graph.erase_node(node)

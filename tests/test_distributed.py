@@ -62,6 +62,32 @@ def sequence_parallel_run(rank, world, target, kind):
     return (out - ref).abs().max().item(), sp.matches, sp.decisions, sp.near_misses, sel.matches
 
 
+def low_precision_run(rank, world):
+    model, ids, logits = _model("hf-llama", 2)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             passes=["select_collectives"], pass_options={"all_reduce_dtype": "bf16"})
+    with torch.no_grad():
+        out = logits(opt(ids))
+    rec = opt.report.record("select_collectives")
+    return ((out - ref).abs().max().item(), ref.abs().max().item()), rec.matches, rec.decisions
+
+
+def bf16_sum_error(rank, world):
+    """The error of summing in bf16 (what the transport option sends) against float32, and
+    the bound docs/passes.md gives: 2 n 2^-8 sum_i |x_i| per element."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1 << 16, generator=g) * torch.logspace(-3, 3, 1 << 16)
+    exact, absolute = x.clone(), x.abs()
+    dist.all_reduce(exact)
+    dist.all_reduce(absolute)
+    low = x.to(torch.bfloat16)
+    dist.all_reduce(low)
+    err = (low.float() - exact).abs()
+    return (err / absolute).max().item(), bool(torch.all(err <= 2 * world * 2.0 ** -8 * absolute))
+
+
 def all_reduce_bytes(rank, world, algorithm, nbytes):
     """Bytes this rank sends to its own island and across, for one all-reduce of `nbytes`
     run as the flat ring or as the hierarchical rewrite's three collectives, and whether
@@ -212,6 +238,17 @@ def test_sequence_parallel_declines_where_an_island_aware_all_reduce_is_cheaper(
     for diff, matches, decisions, near, selected in results:
         assert diff < 1e-4 and matches == 0 and selected == 4
         assert any("sequence_parallel not applied on pcie8@2x2" in n for n in near)
+
+
+def test_low_precision_transport_is_opt_in_and_bounded():
+    results = multirank.run(low_precision_run, 2, timeout_s=TIMEOUT_S)
+    for (diff, scale), matches, decisions in results:
+        assert matches == 4 and all("sent as bfloat16" in d for d in decisions)
+        assert diff < 2e-2 * scale, (diff, scale)
+    bounds = multirank.run(bf16_sum_error, 4, timeout_s=TIMEOUT_S)
+    assert all(ok for _, ok in bounds), bounds
+    print(f"bf16 all-reduce over 4 ranks: max |error| / sum|x_i| = {max(r for r, _ in bounds):.2e} "
+          f"(bound {2 * 4 * 2.0 ** -8:.2e})")
 
 
 # ---- bad input and failures -------------------------------------------------------------

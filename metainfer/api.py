@@ -229,7 +229,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
              disable: Iterable[str] = (), verify: bool = False, dump_dir: str | os.PathLike | None = None,
              lowering: str | None = None, pass_options: dict | None = None,
              cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None,
-             emulate: bool = False) -> OptimizedModel:
+             emulate: bool = False, expert_parallel: bool | None = None) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -248,6 +248,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         False specialises every shape (one graph per shape).
     emulate: inside a job of several CPU ranks (gloo), run a multi-GPU target's pipeline
         with its topology scaled onto the ranks (docs/distributed.md).
+    expert_parallel: inside a job, spread MoE models' routed experts over the ranks; None
+        (default) follows the planner's decode plan for the target.
 
     Inside a torch.distributed job of several ranks the model is sharded in place for tensor
     parallelism over all ranks (its plan: Hugging Face's base_model_tp_plan or a models/
@@ -258,7 +260,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         raise ValueError("verify=True needs example_inputs to compare eager and optimized outputs on")
     from metainfer import distributed
 
-    t, dist_notes = distributed.prepare(model, target, emulate=emulate)
+    t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel)
     if example_inputs is not None:
         _check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None

@@ -151,7 +151,17 @@ def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
     return plan
 
 
-def prepare(model: torch.nn.Module, target, *, emulate: bool) -> tuple[_targets.Target, list[str]]:
+def expert_parallel(model: torch.nn.Module, group) -> int:
+    """Spread the routed experts of every MoE layer that declares `shard_experts` over the
+    group's ranks; returns how many layers."""
+    layers = [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
+    for m in layers:
+        m.shard_experts(dist.get_rank(group), dist.get_world_size(group), group)
+    return len(layers)
+
+
+def prepare(model: torch.nn.Module, target, *, emulate: bool,
+            expert_parallel_on: bool | None = None) -> tuple[_targets.Target, list[str]]:
     """Inside a job of several ranks: the target over the job's ranks (emulated on CPU ranks
     if asked), the model sharded for tensor parallelism over all of them, the island
     sub-groups created. Returns (target, notes for the report). Outside a job: unchanged."""
@@ -178,15 +188,41 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool) -> tuple[_targets.
     if any(isinstance(p, DTensor) for p in model.parameters()):
         notes.append("model already sharded (DTensor parameters): used as it is")
     else:
+        has_experts = any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
+        if expert_parallel_on is None:  # the planner's choice for decode on the real target
+            expert_parallel_on = has_experts and _planner_picks_ep(model, target)
+        if expert_parallel_on and not has_experts:
+            raise ValueError(f"expert_parallel=True but {type(model).__name__} declares no MoE layer that can "
+                             "spread its experts (shard_experts)")
         mesh = init_device_mesh(t.device.kind, (w,))
+        if expert_parallel_on:  # checked before any weight moves
+            n_experts = {getattr(m, "n_experts", w) for m in model.modules() if hasattr(m, "shard_experts")}
+            bad = sorted(e for e in n_experts if e % w)
+            if bad:
+                raise ValueError(f"{bad[0]} experts do not split over {w} ranks for expert parallelism")
         plan = shard(model, mesh)
         notes.append(f"tensor parallel over {w} ranks (rank {rank()}): {len(plan)} plan entries of "
                      f"{type(model).__name__} applied with DTensor parallelize_module")
+        if expert_parallel_on:
+            n = expert_parallel(model, mesh.get_group())
+            notes.append(f"expert parallel over {w} ranks: routed experts of {n} MoE layer(s) spread, "
+                         "their outputs summed by an all-reduce")
     island_groups(t)
     advice = _planner_advice(model, target)
     if advice:
         notes.append(advice)
     return t, notes
+
+
+def _planner_picks_ep(model, target) -> bool:
+    from metainfer import planner, shapes
+
+    try:
+        result = planner.plan(shapes.resolve(model.config), target, phases="decode")
+    except Exception:
+        return False
+    chosen = result.phases["decode"].chosen
+    return chosen is not None and chosen.plan.ep > 1
 
 
 def _planner_advice(model, target) -> str | None:

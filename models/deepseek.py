@@ -303,6 +303,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E, D, I) * I ** -0.5)
         self.block = 0  # > 0 once quantised: w*_scale_inv (E, ceil(N/block), ceil(K/block))
         self.shared_experts = MLP(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
+        self.expert_offset, self.combine = 0, None  # set by shard_experts (expert parallelism)
 
     def expert_weight(self, name: str, i: int, dtype) -> torch.Tensor:
         w = getattr(self, name)[i]
@@ -314,13 +315,33 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.view(-1, shape[-1])
         weights, indices = self.gate(x)
+        if self.expert_offset:  # expert parallelism: ids of this rank's experts count from 0
+            indices = indices - self.expert_offset
         y = torch.zeros_like(x)
-        for i in range(self.n_experts):  # the fallback: one expert at a time
+        for i in range(self.w1.shape[0]):  # the fallback: one (local) expert at a time
             idx, top = torch.where(indices == i)
             h = x[idx]
             h = F.silu(F.linear(h, self.expert_weight("w1", i, x.dtype))) * F.linear(h, self.expert_weight("w3", i, x.dtype))
             y.index_add_(0, idx, F.linear(h, self.expert_weight("w2", i, x.dtype)) * weights[idx, top, None])
+        if self.combine is not None:  # expert parallelism: every rank's experts' share summed
+            y = self.combine(y)
         return (y + self.shared_experts(x)).view(shape)
+
+    def shard_experts(self, rank: int, world: int, group) -> None:
+        """Expert parallelism: keep experts [rank E/world, (rank+1) E/world) here (weights and
+        FP8 scales); the routed outputs of all ranks are summed by an all-reduce."""
+        from torch.distributed import _functional_collectives as funcol
+
+        if self.n_experts % world:
+            raise ValueError(f"{self.n_experts} experts do not split over {world} ranks")
+        per = self.n_experts // world
+        lo = rank * per
+        for name in ("w1", "w2", "w3", "w1_scale_inv", "w2_scale_inv", "w3_scale_inv"):
+            t = getattr(self, name, None)
+            if t is not None:
+                setattr(self, name, nn.Parameter(t.detach()[lo:lo + per].clone(), requires_grad=False))
+        self.expert_offset = lo
+        self.combine = lambda y: funcol.all_reduce(y, "sum", group)
 
 
 class Block(nn.Module):
@@ -338,8 +359,9 @@ class Block(nn.Module):
 
 class DeepSeek(nn.Module):
     # tensor parallelism (metainfer.distributed): MLA heads (q_b, kv_b, o) and the dense and
-    # shared-expert MLPs split; the latent projections, router and routed experts stay whole
-    # on every rank (expert parallelism is not applied yet)
+    # shared-expert MLPs split; the latent projections and router stay whole on every rank;
+    # routed experts stay whole too, or are spread over the ranks (MoE.shard_experts) when
+    # expert parallelism is on
     TP_PLAN = {"layers.*.attn.wq_b": "colwise", "layers.*.attn.wkv_b": "colwise", "layers.*.attn.wo": "rowwise",
                "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
                "layers.*.ffn.shared_experts.w1": "colwise", "layers.*.ffn.shared_experts.w3": "colwise",

@@ -62,6 +62,21 @@ def sequence_parallel_run(rank, world, target, kind):
     return (out - ref).abs().max().item(), sp.matches, sp.decisions, sp.near_misses, sel.matches
 
 
+def expert_parallel_run(rank, world, experts=8, groups=4):
+    model = models.build("deepseek-tiny", n_routed_experts=experts, n_expert_groups=groups,
+                         n_limited_groups=min(2, groups))
+    ids = models.example_inputs("deepseek-tiny", batch=2, seq=16)[0]
+    with torch.no_grad():
+        ref = model(ids)
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             expert_parallel=True)
+    with torch.no_grad():
+        out = opt(ids)
+    local = [m.w1.shape[0] for m in model.modules() if hasattr(m, "shard_experts")]
+    return ((out - ref).abs().max().item(), local, opt.report.matches("fuse_moe"),
+            opt.report.matches("select_collectives"), opt.report.notes)
+
+
 def low_precision_run(rank, world):
     model, ids, logits = _model("hf-llama", 2)
     with torch.no_grad():
@@ -238,6 +253,23 @@ def test_sequence_parallel_declines_where_an_island_aware_all_reduce_is_cheaper(
     for diff, matches, decisions, near, selected in results:
         assert diff < 1e-4 and matches == 0 and selected == 4
         assert any("sequence_parallel not applied on pcie8@2x2" in n for n in near)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_deepseek(world):
+    results = multirank.run(expert_parallel_run, world, timeout_s=TIMEOUT_S)
+    for diff, local, fused, selected, notes in results:
+        assert diff < 1e-4, diff
+        assert local == [8 // world], "each rank keeps its share of the routed experts"
+        assert fused == 1, "the local experts still become one grouped GEMM (other ranks' ids contribute zero)"
+        assert any("expert parallel over" in n for n in notes)
+    if world == 4:  # 2 layers x attention + (dense MLP | shared experts), plus the routed experts' sum
+        assert results[0][3] == 5
+
+
+def test_experts_that_do_not_split_are_refused():
+    with pytest.raises(multirank.RankFailure, match="6 experts do not split over 4 ranks"):
+        multirank.run(expert_parallel_run, 4, args=(6, 3), timeout_s=TIMEOUT_S)
 
 
 def test_low_precision_transport_is_opt_in_and_bounded():

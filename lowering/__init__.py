@@ -4,6 +4,6 @@
 demand: it pulls in the passes, which themselves insert these ops).
 """
 
-from . import kernel_configs, ops  # noqa: F401
+from . import kernel_configs, ops, symm_mem  # noqa: F401
 
 __all__ = ["kernel_configs", "ops"]

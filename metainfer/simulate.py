@@ -192,6 +192,12 @@ def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algori
             ready[node] = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, deps)
         elif _is_c10d(node) and name == "wait_tensor":
             ready[node] = tl.wait(deps)
+        elif name == "symm_mem_all_reduce":  # a P2P all-reduce kernel: the compute stream waits for it
+            nbytes = cost.tensor_bytes(node.args[0].meta["val"])
+            ranks = group_ranks(node, target)
+            c = cost.collective_cost("all_reduce", nbytes, target, node.args[1], ranks=ranks)
+            ready[node] = tl.wait(tl.communicate(c, cost.best("all_reduce", nbytes, target, ranks=ranks).seconds,
+                                                 max(deps, tl.compute_free)))
         else:
             c = cost.op_cost(node, target)
             if c.priced_by_bytes:

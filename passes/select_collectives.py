@@ -5,10 +5,11 @@ size on the target.
       -> ring:          unchanged (the library's default)
       -> hierarchical:  wait(all_gather(wait(all_reduce(wait(reduce_scatter(flat(x), island)),
                                                           across)), island))
-      -> one_shot / two_shot: the direct-exchange algorithms of P2P all-reduce kernels (CUDA
-                        symmetric memory); only where those exist, never on CPU. Through the
-                        collective library a reduce-scatter + all-gather is two rings, i.e.
-                        the ring's own time, so that is never offered as "two-shot".
+      -> one_shot / two_shot: metainfer::symm_mem_all_reduce (lowering/symm_mem.py), torch's
+                        P2P kernels on CUDA symmetric memory; only where CUDA, P2P and
+                        symmetric memory exist, never on CPU. Through the collective library a
+                        reduce-scatter + all-gather is two rings, i.e. the ring's own time, so
+                        that is never offered as "two-shot".
 
 `flat(x)` is x flattened and zero-padded to a multiple of the group size; the result is cut
 back and reshaped. Hierarchical runs on the island sub-groups `metainfer.distributed`
@@ -55,13 +56,10 @@ def _group(name: str):
 
 
 def _symmetric_memory_available(target) -> bool:
-    if target.device.kind != "cuda" or not target.topology.p2p or not torch.cuda.is_available():
-        return False
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return False  # the symmetric-memory path is not wired yet: never selected
+    """One-shot / two-shot need P2P kernels: CUDA symmetric memory, on a target with P2P."""
+    from metainfer.lowering import symm_mem
+
+    return target.topology.p2p and symm_mem.available(target.device.kind)
 
 
 @register
@@ -119,10 +117,11 @@ class SelectCollectives(Pass):
             if chosen.algorithm == "ring" and not narrow:
                 res.decisions.append(head + " (kept)")
                 continue
-            if chosen.algorithm not in ("ring", "hierarchical"):  # one/two-shot: not until symmetric memory is wired
-                raise NotImplementedError(f"all_reduce algorithm {chosen.algorithm!r}")
             src = insert_call(graph, node, prims.convert_element_type.default, (x, low), meta_from=node) if narrow else x
-            if chosen.algorithm == "ring":
+            if chosen.algorithm in ("one_shot", "two_shot"):  # P2P kernels on symmetric memory
+                out = insert_call(graph, node, torch.ops.metainfer.symm_mem_all_reduce.default,
+                                  (src, chosen.algorithm, group_name), meta_from=node)
+            elif chosen.algorithm == "ring":
                 ar = insert_call(graph, node, c10d.all_reduce.default, (src, "sum", group_name), meta_from=node)
                 out = insert_call(graph, node, c10d.wait_tensor.default, (ar,), meta_from=node)
             else:

@@ -77,6 +77,19 @@ def expert_parallel_run(rank, world, experts=8, groups=4):
             opt.report.matches("select_collectives"), opt.report.notes)
 
 
+def symmetric_memory_selection(rank, world, available):
+    """The pass's choice where P2P kernels would be available (pretended here: the graph is
+    only analysed, never run, since the op has no CPU implementation) and where not."""
+    from metainfer.passes import select_collectives as sc
+
+    sc._symmetric_memory_available = lambda target: available
+    model, ids, _ = _model("hf-llama", 2)
+    t, _ = distributed.prepare(model, "pcie8", emulate=True)
+    report = metainfer.analyze(model, t, example_inputs=(ids,), passes=["select_collectives"])
+    rec = report.record("select_collectives")
+    return rec.decisions, rec.graph_after or ""
+
+
 def low_precision_run(rank, world):
     model, ids, logits = _model("hf-llama", 2)
     with torch.no_grad():
@@ -270,6 +283,15 @@ def test_expert_parallel_deepseek(world):
 def test_experts_that_do_not_split_are_refused():
     with pytest.raises(multirank.RankFailure, match="6 experts do not split over 4 ranks"):
         multirank.run(expert_parallel_run, 4, args=(6, 3), timeout_s=TIMEOUT_S)
+
+
+def test_one_shot_only_where_symmetric_memory_exists():
+    pretend = multirank.run(symmetric_memory_selection, 2, args=(True,), timeout_s=TIMEOUT_S)
+    decisions, graph = pretend[0]
+    assert all("one-shot" in d.split(": ", 2)[2].split(",")[0] for d in decisions), decisions
+    assert "metainfer.symm_mem_all_reduce" in graph and "_c10d_functional.all_reduce" not in graph
+    real = multirank.run(symmetric_memory_selection, 2, args=(False,), timeout_s=TIMEOUT_S)
+    assert not any("one-shot, predicted" in d for d in real[0][0]), "never selected on CPU"
 
 
 def test_low_precision_transport_is_opt_in_and_bounded():

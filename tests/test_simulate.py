@@ -82,3 +82,19 @@ def test_trace_is_chrome_json(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {1, 2} and all(e["dur"] >= 0 for e in spans)
     assert "predicted step" in str(s)
+
+
+def test_a_symmetric_memory_all_reduce_blocks_the_compute_stream():
+    """metainfer::symm_mem_all_reduce (P2P kernels) is priced with its algorithm and, being a
+    kernel on the compute stream, fully exposed."""
+    import metainfer.lowering  # noqa: F401  (registers the op)
+
+    b = Builder()
+    x, w = b.input("x", 64, 4096), b.input("w", 4096, 4096)
+    h = b.call(aten.mm.default, x, w)
+    out = b.call(torch.ops.metainfer.symm_mem_all_reduce.default, h, "one_shot", "0")
+    t = targets.get("pcie8")
+    s = simulate(b.done(out), t)
+    expected = cost.collective_cost("all_reduce", 64 * 4096 * 2, t, "one_shot").seconds
+    assert s.comm_seconds == pytest.approx(expected) and s.exposed_comm_seconds == pytest.approx(expected)
+    assert not s.priced_by_bytes

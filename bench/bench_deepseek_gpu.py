@@ -16,20 +16,7 @@ import sys
 
 import torch
 
-
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of fn() over `reps` runs (after 3 warm-up runs)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from _cuda_timing import timed  # bench/ is on sys.path as the script's folder
 
 
 def compare(name: str, shape: str, fallback, fast, reps: int, tol: float = 3e-2) -> None:
@@ -37,7 +24,7 @@ def compare(name: str, shape: str, fallback, fast, reps: int, tol: float = 3e-2)
         ref, out = fallback().float(), fast().float()
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         ok = err < tol and not torch.isnan(out).any().item()
-        t_ref, t_fast = timed(fallback, reps), timed(fast, reps)
+        t_ref, t_fast = timed(fallback, reps) * 1e3, timed(fast, reps) * 1e3  # ms
     print(f"| {name} | {shape} | {'ok' if ok else 'MISMATCH'} ({err:.1e}) | {t_ref:.3f} ms | {t_fast:.3f} ms | "
           f"{t_ref / t_fast:.2f}x |")
     if not ok:

@@ -23,21 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-
-def timed(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+from _cuda_timing import timed  # noqa: E402  (bench/ is on sys.path as the script's folder)
 
 
 def gemm_tflops(dtype_name: str, n: int = 8192) -> float | None:

@@ -110,8 +110,9 @@ class SelectCollectives(Pass):
             others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)
             where = location(node)
             head = (f"{where}: all_reduce {nbytes / 2**10:.1f} KiB over {n} ranks: {_LABEL[chosen.algorithm]}, "
-                    f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; across islands "
-                    f"{chosen.bytes_inter / 2**10:.1f} KiB vs ring {ring.bytes_inter / 2**10:.1f} KiB")
+                    f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; bytes across islands "
+                    f"{chosen.bytes_inter / 2**10:.1f} KiB (ring {ring.bytes_inter / 2**10:.1f}), inside islands "
+                    f"{chosen.bytes_intra / 2**10:.1f} KiB (ring {ring.bytes_intra / 2**10:.1f}), all ranks together")
             if narrow:
                 head += f"; sent as {str(low).replace('torch.', '')} (all_reduce_dtype)"
             if chosen.algorithm == "ring" and not narrow:

@@ -35,8 +35,9 @@ prims = torch.ops.prims
 
 _LABEL = {"ring": "flat ring", "two_shot": "two-shot", "hierarchical": "hierarchical", "one_shot": "one-shot"}
 # optional low-precision transport (pass option / target [passes] "all_reduce_dtype"): off by
-# default, because summing in bf16 rounds; see docs/passes.md for the error bound
-TRANSPORT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# default, because summing in bf16 rounds; see docs/passes.md for the error bound. bf16 only:
+# it keeps float32's range, where fp16 would overflow past 65504 on outlier activations
+TRANSPORT = {"bf16": torch.bfloat16}
 
 
 def transport_dtype(ctx: PassContext) -> torch.dtype | None:
@@ -55,11 +56,26 @@ def _group(name: str):
         return None
 
 
+_AGREED: dict[str, bool] = {}
+
+
 def _symmetric_memory_available(target) -> bool:
-    """One-shot / two-shot need P2P kernels: CUDA symmetric memory, on a target with P2P."""
+    """One-shot / two-shot need P2P kernels: CUDA symmetric memory, on a target with P2P, on
+    every rank. The ranks agree (an all-reduce of the local answer, once per job) so that no
+    rank picks them while another does not."""
+    if target.device.kind != "cuda" or not target.topology.p2p:  # the same answer on every rank
+        return False
     from metainfer.lowering import symm_mem
 
-    return target.topology.p2p and symm_mem.available(target.device.kind)
+    world = dist.group.WORLD.group_name if dist.is_available() and dist.is_initialized() else ""
+    if world not in _AGREED:
+        local = symm_mem.available(target.device.kind)
+        if world:
+            flag = torch.tensor([1 if local else 0], device="cuda" if torch.cuda.is_available() else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            local = bool(flag.item())
+        _AGREED[world] = local
+    return _AGREED[world]
 
 
 @register

@@ -34,7 +34,12 @@ from .matching import CONVERT_OPS, Node, insert_call, is_op, location, shape, te
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-_RESHAPES = (aten.reshape, aten.view, aten._unsafe_view)
+# exact overloads: aten.view.dtype reinterprets bits and is not a reshape
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _is_reshape(node: Node) -> bool:
+    return node.op == "call_function" and node.target in _RESHAPES
 _LAST_DIM_REDUCTIONS = (aten.mean, aten.sum, aten.amax, aten.amin)
 
 
@@ -70,7 +75,8 @@ class _Region:
         return _static(s) and all(d == 1 for d in s[:-1])
 
 
-_RANK_DEPENDENT = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.linear, aten.convolution)
+_RANK_DEPENDENT = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.linear, aten.convolution, aten.mv,
+                   aten.addmv, aten.dot, aten._scaled_mm, aten._int_mm)
 
 
 def _rank_invariant(node: Node, memo: dict) -> bool:
@@ -90,8 +96,10 @@ def _rank_invariant(node: Node, memo: dict) -> bool:
         if v.op == "placeholder" or v.op == "get_attr":
             memo[v] = True
             continue
-        ns = getattr(getattr(v.target, "overloadpacket", None), "_qualified_op_name", "aten::").split("::")[0]
-        ok = v.op == "call_function" and not is_op(v, *_RANK_DEPENDENT) and ns in ("aten", "prims", "")
+        # only ATen/prims ops are judged; anything else (custom ops, higher-order ops) may vary
+        ok = (v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload)
+              and v.target.namespace in ("aten", "prims") and not is_op(v, *_RANK_DEPENDENT)
+              and not v.target._schema.is_mutable)
         ok = ok or v.target is operator.getitem
         memo[v] = ok and all(memo.get(a, False) for a in v.all_input_nodes)
     return memo[node]
@@ -108,7 +116,10 @@ def _joins(node: Node, region: _Region) -> bool:
     val = tensor_val(node)
     if val is None and not _is_metainfer_norm(node):
         return False
-    if is_op(node, *_RESHAPES):
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return False  # an in-place op would write through a view of this rank's rows only
+    if _is_reshape(node):
         src = node.args[0]
         return src in region.members and region.token_tensor(node) and shape(node)[-1] == shape(src)[-1]
     if is_op(node, *_LAST_DIM_REDUCTIONS):
@@ -127,8 +138,8 @@ def _joins(node: Node, region: _Region) -> bool:
         elif region.token_tensor(a):
             if not _rank_invariant(a, region.invariant):
                 return False  # e.g. a rank's own activations: its rows elsewhere would differ
-        elif not region.token_free(a):
-            return False
+        elif not region.token_free(a) or not _rank_invariant(a, region.invariant):
+            return False  # a per-rank scalar or vector would differ between the gathered rows
     if val is not None and not region.token_tensor(node):
         return False
     return True
@@ -209,7 +220,7 @@ def _pays(roots, region, boundary, target, pg, tokens, n) -> tuple[bool, str]:
     after = sum(cost.collective_cost("reduce_scatter", nbytes(r.args[0]), target, ranks=ranks).seconds
                 for r, _ in roots)
     after += sum(cost.collective_cost("all_gather", nbytes(v), target, ranks=ranks).seconds
-                 for v in {_source(v, region) for v in boundary})
+                 for v in dict.fromkeys(_source(v, region) for v in boundary))  # graph order: same on every rank
     saved = 0.0
     launch = target.device.launch_overhead_s
     for v in region.nodes:
@@ -224,7 +235,7 @@ def _pays(roots, region, boundary, target, pg, tokens, n) -> tuple[bool, str]:
 def _source(v: Node, region: _Region) -> Node:
     """The value a reshape inside the region stands for (reshapes are identities on the 2-D
     local form): one gather per value, not per view of it."""
-    while is_op(v, *_RESHAPES) and v.args[0] in region.members:
+    while _is_reshape(v) and v.args[0] in region.members:
         v = v.args[0]
     return v
 
@@ -258,7 +269,7 @@ def _rewrite(graph, roots, region: _Region, boundary, group: str, n: int, me: in
         rs = insert_call(graph, w, c10d.reduce_scatter_tensor.default, (flat, "sum", n, group), meta_from=ar)
         local[w] = insert_call(graph, w, c10d.wait_tensor.default, (rs,), meta_from=w)
     for v in region.nodes:
-        if is_op(v, *_RESHAPES):
+        if _is_reshape(v):
             local[v] = local[v.args[0]]
             continue
         if v.target is operator.getitem:

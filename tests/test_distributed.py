@@ -379,3 +379,35 @@ def test_start_applies_the_targets_collective_settings(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "NCCL_P2P_DISABLE=1" in out.stdout and "NCCL_ALGO=Ring" in out.stdout
     assert "Simple gloo" in out.stdout, "the user's NCCL_PROTO is kept"
+
+
+def test_sequence_parallel_region_rules():
+    """What may join the token-wise region (single process, no job needed): a pointwise op
+    on the activation does; a bit reinterpretation, an in-place op and an op with a per-rank
+    scalar do not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from metainfer.passes.sequence_parallel import _joins, _Region
+
+    def f(h, w_shard):
+        scale = torch.mm(h.reshape(-1, 8), w_shard).abs().amax()  # differs per rank
+        return h * 2.0, h.view(torch.int32), h * scale, h.mul_(3.0)
+
+    g = make_fx(f)(torch.randn(2, 4, 8), torch.randn(8, 8)).graph
+    h = next(iter(g.nodes))
+    region = _Region(tokens=8)
+    region.members.add(h)  # h stands for an all-reduced activation
+    aten = torch.ops.aten
+
+    def users(target):
+        return [n for n in h.users if n.target is target]
+
+    def joins(n):
+        return _joins(n, region)
+
+    doubled = [n for n in users(aten.mul.Tensor) if n.args[1] == 2.0]
+    scaled = [n for n in users(aten.mul.Tensor) if isinstance(n.args[1], torch.fx.Node)]
+    assert doubled and joins(doubled[0])
+    assert users(aten.view.dtype) and not joins(users(aten.view.dtype)[0])
+    assert users(aten.mul_.Tensor) and not joins(users(aten.mul_.Tensor)[0])
+    assert scaled and not joins(scaled[0])

@@ -226,21 +226,13 @@ def _inductor(gm, example_inputs, manager: PassManager, caches: bool):
 
 
 def _aot_eager(gm, example_inputs, manager: PassManager):
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from metainfer.capture import post_grad
 
-    def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
-        # as Inductor's post-grad passes do: views become reshapes, so a rewritten node whose
-        # output strides differ (metainfer ops return contiguous tensors) stays valid
-        view_to_reshape(fx_gm)
+    def run_passes(fx_gm: torch.fx.GraphModule):
         manager(fx_gm.graph)
         fx_gm.recompile()
-        return make_boxed_func(fx_gm.forward)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
-                                 decompositions=select_decomp_table())
+    return post_grad(gm, example_inputs, run_passes)
 
 
 # ---- torch.compile(model, backend="metainfer", options={...}) ---------------------------

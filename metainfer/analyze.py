@@ -66,35 +66,28 @@ class _AnalysisBackend:
         self.options = dict(options or {})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
-        from functorch.compile import make_boxed_func
-        from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._inductor.decomposition import select_decomp_table
-        from torch._inductor.fx_passes.post_grad import view_to_reshape
-
+        from metainfer.capture import post_grad
         from metainfer.lowering.backend import _graph_inputs
 
         section = GraphSection(index=len(self.report.sections), inputs=_graph_inputs(gm, example_inputs),
                                lowering="none (analysis)")
 
-        def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
-            view_to_reshape(fx_gm)
+        def run_passes(fx_gm: torch.fx.GraphModule):
             manager = PassManager(self.passes, self.report.target, disabled=self.disabled, explicit=self.explicit,
                                   options=self.options, graph_index=section.index)
             manager(fx_gm.graph)
             section.records, section.schedule = manager.records, manager.schedule
             section.simulation_error = manager.simulation_error
             self.report.sections.append(section)
-            return make_boxed_func(_empty_outputs(fx_gm))
+            return _empty_outputs(fx_gm)
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
-                                     decompositions=select_decomp_table())
+        return post_grad(gm, example_inputs, run_passes)
 
 
 def _concrete(x) -> int:
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        return int(hint) if hint is not None else 1
-    return int(x)
+    from metainfer.cost import size_hint
+
+    return int(size_hint(x))
 
 
 def _empty_outputs(gm: torch.fx.GraphModule):

@@ -39,6 +39,26 @@ def hf_eager_experts(model: torch.nn.Module) -> bool:
     return _HAS_EXPERTS[model]
 
 
+def post_grad(gm: torch.fx.GraphModule, example_inputs: list, on_graph):
+    """AOTAutograd over a Dynamo graph with Inductor's decompositions, giving the functional
+    ATen graph metainfer's passes see; `on_graph(fx_gm)` gets it (views already reshapes, as
+    Inductor's post-grad passes make them) and returns what runs in its place (None: the graph
+    itself). Shared by the aot_eager lowering, analyze() and testing.capture_graph."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
+        # views become reshapes, so a rewritten node whose output strides differ (metainfer
+        # ops return contiguous tensors) stays valid
+        view_to_reshape(fx_gm)
+        run = on_graph(fx_gm)
+        return make_boxed_func(fx_gm.forward if run is None else run)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, decompositions=select_decomp_table())
+
+
 @contextlib.contextmanager
 def capturable(model: torch.nn.Module):
     """Inside the block the model's forward can be captured as one graph; yields the notes

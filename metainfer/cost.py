@@ -241,7 +241,7 @@ def _tensors(vals):
     return out
 
 
-def _size(x) -> float:
+def size_hint(x) -> float:
     """A size as a number; symbolic sizes at their hint (an estimate, never a guard)."""
     if isinstance(x, torch.SymInt):
         hint = x.node.hint
@@ -250,7 +250,7 @@ def _size(x) -> float:
 
 
 def numel(t: torch.Tensor) -> float:
-    return math.prod(_size(s) for s in t.shape)
+    return math.prod(size_hint(s) for s in t.shape)
 
 
 def tensor_bytes(t: torch.Tensor) -> float:
@@ -272,25 +272,25 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
     a = [_val(x) if isinstance(x, torch.fx.Node) else x for x in args]
     if ns == "aten" and name in ("mm", "addmm", "bmm", "baddbmm"):
         x, w = (a[1], a[2]) if name in ("addmm", "baddbmm") else (a[0], a[1])
-        return 2 * numel(out[0]) * _size(x.shape[-1]), _peak_key(x.dtype)
+        return 2 * numel(out[0]) * size_hint(x.shape[-1]), _peak_key(x.dtype)
     if ns == "metainfer" and name == "fp8_linear":
         x, w, act_quant = a[0], a[1], a[6]
-        return 2 * numel(out[0]) * _size(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
+        return 2 * numel(out[0]) * size_hint(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
     if ns == "metainfer" and name in ("attention", "sparse_attention"):
         q, k, v = a[0], a[1], a[2]
-        B, H, Sq, D = (_size(s) for s in q.shape)
-        keys = _size(k.shape[2]) if name == "attention" else _size(a[3].shape[-1])
+        B, H, Sq, D = (size_hint(s) for s in q.shape)
+        keys = size_hint(k.shape[2]) if name == "attention" else size_hint(a[3].shape[-1])
         frac = 0.5 if name == "attention" and a[5] and Sq > 1 else 1.0  # causal: about half the matrix
-        return 2 * B * H * Sq * keys * (D + _size(v.shape[-1])) * frac, _peak_key(q.dtype)
+        return 2 * B * H * Sq * keys * (D + size_hint(v.shape[-1])) * frac, _peak_key(q.dtype)
     if ns == "metainfer" and name == "mla_decode":
         ql, qp, c, idx = a[0], a[1], a[2], a[4]
-        B, H, Sq, R = (_size(s) for s in ql.shape)
-        keys = _size(c.shape[1]) if idx is None else _size(idx.shape[-1])
-        return 2 * B * H * Sq * keys * (2 * R + _size(qp.shape[-1])), _peak_key(ql.dtype)
+        B, H, Sq, R = (size_hint(s) for s in ql.shape)
+        keys = size_hint(c.shape[1]) if idx is None else size_hint(idx.shape[-1])
+        return 2 * B * H * Sq * keys * (2 * R + size_hint(qp.shape[-1])), _peak_key(ql.dtype)
     if ns == "metainfer" and name == "moe_experts":
         x, ids, wg, wd = a[0], a[1], a[3], a[5]
         pairs = numel(ids)
-        return 2 * pairs * 3 * _size(wg.shape[1]) * _size(wg.shape[2]), _peak_key(x.dtype)
+        return 2 * pairs * 3 * size_hint(wg.shape[1]) * size_hint(wg.shape[2]), _peak_key(x.dtype)
     return 0.0, None
 
 

@@ -185,12 +185,14 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool,
     notes = []
     if emulate:
         notes.append(f"emulated: {t.description}; every decision takes the target's numbers, times are predictions")
+    planned = _planner_result(model, target)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         notes.append("model already sharded (DTensor parameters): used as it is")
     else:
         has_experts = any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
         if expert_parallel_on is None:  # the planner's choice for decode on the real target
-            expert_parallel_on = has_experts and _planner_picks_ep(model, target)
+            chosen = planned.phases["decode"].chosen if planned is not None else None
+            expert_parallel_on = has_experts and chosen is not None and chosen.plan.ep > 1
         if expert_parallel_on and not has_experts:
             raise ValueError(f"expert_parallel=True but {type(model).__name__} declares no MoE layer that can "
                              "spread its experts (shard_experts)")
@@ -208,38 +210,35 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool,
             notes.append(f"expert parallel over {w} ranks: routed experts of {n} MoE layer(s) spread, "
                          "their outputs summed by an all-reduce")
     island_groups(t)
-    advice = _planner_advice(model, target)
+    advice = _planner_advice(planned, target)
     if advice:
         notes.append(advice)
     return t, notes
 
 
-def _planner_picks_ep(model, target) -> bool:
-    from metainfer import planner, shapes
-
-    try:
-        result = planner.plan(shapes.resolve(model.config), target, phases="decode")
-    except Exception:
-        return False
-    chosen = result.phases["decode"].chosen
-    return chosen is not None and chosen.plan.ep > 1
-
-
-def _planner_advice(model, target) -> str | None:
-    """What the planner would run this model with on the real target, beside what the job
-    runs (tensor parallel over every rank: the one plan metainfer executes so far)."""
+def _planner_result(model, target):
+    """The planner's plans for this model on the real target (its default workloads), or
+    None where it cannot read the model's shape or nothing fits."""
     from metainfer import planner, shapes
 
     cfg = getattr(model, "config", None)
     if cfg is None:
         return None
     try:
-        result = planner.plan(shapes.resolve(cfg), target, batch={"prefill": 1, "decode": 8}, seq=1024)
-    except Exception:  # a shape the planner cannot read, or nothing fits: no advice
+        return planner.plan(shapes.resolve(cfg), target)
+    except Exception:
         return None
-    picks = ", ".join(f"{ph} {p.chosen.plan.label}" for ph, p in result.phases.items() if p.chosen)
-    return (f"planner on {_targets.get(target).name} (1 x 1024 prefill, 8 x 1024 decode): {picks}; this job runs "
-            f"tp{world_size()} (the plan metainfer executes today is tensor parallel over every rank)")
+
+
+def _planner_advice(result, target) -> str | None:
+    """What the planner would run on the real target, beside what the job runs (tensor
+    parallel over every rank: the one plan metainfer executes so far)."""
+    if result is None:
+        return None
+    picks = "; ".join(f"{ph} ({p.batch} x {p.seq}) {p.chosen.plan.label}" for ph, p in result.phases.items()
+                      if p.chosen)
+    return (f"planner on {_targets.get(target).name}: {picks}; this job runs tp{world_size()} (the plan "
+            "metainfer executes today is tensor parallel over every rank, expert parallel where chosen)")
 
 
 # ---- the topology's sub-groups ------------------------------------------------------------

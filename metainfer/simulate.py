@@ -62,13 +62,6 @@ class Schedule:
         """How far the predicted step is above the floor, as a fraction of the floor."""
         return self.step_seconds / self.floor_seconds - 1 if self.floor_seconds > 0 else 0.0
 
-    def summary(self) -> dict:
-        """The figures without the intervals (for reports and JSON)."""
-        return {"target": self.target, "step_s": self.step_seconds, "compute_s": self.compute_seconds,
-                "comm_s": self.comm_seconds, "exposed_comm_s": self.exposed_comm_seconds,
-                "floor_s": self.floor_seconds, "gap_to_floor": self.gap_to_floor,
-                "priced_by_bytes": dict(self.priced_by_bytes), "predicted": True}
-
     def trace(self) -> dict:
         """Chrome trace events (microseconds), one track per stream."""
         tid = {"compute": 1, "comm": 2}

@@ -26,24 +26,19 @@ def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.G
     of 1 stay specialised, as Dynamo does); with `dynamic=None`, those marked with
     `torch._dynamo.mark_dynamic`. The inputs list then holds ints for the symbols:
     `graph_inputs(gm, tensors)` builds it for other sizes."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from metainfer.capture import post_grad
 
     box: dict = {}
 
     def backend(gm, example_inputs):
         box["inputs"] = list(example_inputs)
 
-        def fw(fx_gm, fx_inputs):
+        def keep(fx_gm):
             if "gm" in box:
                 raise RuntimeError("capture_graph: the function has a graph break; capture one graph at a time")
-            view_to_reshape(fx_gm)  # as in Inductor's post-grad graphs
             box["gm"] = fx_gm
-            return make_boxed_func(fx_gm.forward)
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=select_decomp_table())
+        return post_grad(gm, example_inputs, keep)
 
     # every capture of the same code (a test's closure, say) is a new cache entry for Dynamo
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20,

@@ -229,7 +229,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
              disable: Iterable[str] = (), verify: bool = False, dump_dir: str | os.PathLike | None = None,
              lowering: str | None = None, pass_options: dict | None = None,
              cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None,
-             emulate: bool = False, expert_parallel: bool | None = None) -> OptimizedModel:
+             emulate: bool = False, tensor_parallel: int | None = None,
+             expert_parallel: bool | None = None) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -248,19 +249,24 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         False specialises every shape (one graph per shape).
     emulate: inside a job of several CPU ranks (gloo), run a multi-GPU target's pipeline
         with its topology scaled onto the ranks (docs/distributed.md).
-    expert_parallel: inside a job, spread MoE models' routed experts over the ranks; None
-        (default) follows the planner's decode plan for the target.
+    tensor_parallel: inside a job, the tensor-parallel degree tp (it must divide the world
+        size; the other factor is data-parallel replicas); None (default) takes the
+        planner's fastest decode plan that metainfer executes.
+    expert_parallel: inside a job, spread MoE models' routed experts over each tensor-parallel
+        group; None (default) follows the same planner choice.
 
     Inside a torch.distributed job of several ranks the model is sharded in place for tensor
-    parallelism over all ranks (its plan: Hugging Face's base_model_tp_plan or a models/
-    TP_PLAN) and every rank gets a callable whose outputs equal the unsharded model's.
+    parallelism over each group of tp consecutive ranks (its plan: Hugging Face's
+    base_model_tp_plan or a models/ TP_PLAN) and every rank gets a callable whose outputs
+    equal the unsharded model's on that rank's inputs.
     """
     args, kwargs = _as_args(example_inputs)
     if verify and example_inputs is None:
         raise ValueError("verify=True needs example_inputs to compare eager and optimized outputs on")
     from metainfer import distributed
 
-    t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel)
+    t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel,
+                                         tensor_parallel=tensor_parallel)
     if example_inputs is not None:
         _check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None

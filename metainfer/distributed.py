@@ -9,10 +9,13 @@ the job's ranks, and tensor-parallel sharding through DTensor.
 - `emulated(target, world_size)`: the target's topology scaled onto `world_size` CPU ranks
   (2 islands x 4 -> 2 x 2 on 4 ranks), device rates and links unchanged, device kind "cpu":
   how the pcie8 pipeline runs under gloo in tests, every decision from pcie8's numbers.
+- `choose_degrees(...)`: tp (and dp = world / tp) and whether experts are spread, from the
+  planner's fastest plan that metainfer executes (no pipeline stages yet), or as the caller
+  fixed them (`optimize(..., tensor_parallel=, expert_parallel=)`).
 - `tp_plan(model)` / `shard(model, mesh)`: the model's tensor-parallel plan (Hugging Face's
   `base_model_tp_plan`, or `TP_PLAN` declared beside a models/ model) applied with
-  `torch.distributed.tensor.parallel.parallelize_module`; clear errors before any collective
-  when the plan is missing or the heads do not split.
+  `torch.distributed.tensor.parallel.parallelize_module` inside each group of tp consecutive
+  ranks; clear errors before any collective when the plan is missing or the heads do not split.
 - `island_groups(target)`: the sub-groups the hierarchical all-reduce runs on (this rank's
   island, and the ranks with this rank's position in the other islands), created on every
   rank in the same order.
@@ -160,11 +163,13 @@ def expert_parallel(model: torch.nn.Module, group) -> int:
     return len(layers)
 
 
-def prepare(model: torch.nn.Module, target, *, emulate: bool,
-            expert_parallel_on: bool | None = None) -> tuple[_targets.Target, list[str]]:
+def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on: bool | None = None,
+            tensor_parallel: int | None = None) -> tuple[_targets.Target, list[str]]:
     """Inside a job of several ranks: the target over the job's ranks (emulated on CPU ranks
-    if asked), the model sharded for tensor parallelism over all of them, the island
-    sub-groups created. Returns (target, notes for the report). Outside a job: unchanged."""
+    if asked), the degrees chosen (`choose_degrees`), the model sharded for tensor
+    parallelism inside each group of `tp` consecutive ranks (dp = world / tp replicas), the
+    island sub-groups created. Returns (target, notes for the report). Outside a job:
+    unchanged."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -174,6 +179,8 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool,
         if emulate:
             raise ValueError("emulate=True runs a multi-device target on CPU ranks: start a process group of "
                              "several ranks first (torchrun, or metainfer.multirank.run in tests)")
+        if tensor_parallel not in (None, 1):
+            raise ValueError(f"tensor_parallel={tensor_parallel} needs a job of that many ranks (torchrun)")
         return t, []
     if w > t.num_devices:
         raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices")
@@ -185,39 +192,104 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool,
     notes = []
     if emulate:
         notes.append(f"emulated: {t.description}; every decision takes the target's numbers, times are predictions")
-    planned = _planner_result(model, target)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         notes.append("model already sharded (DTensor parameters): used as it is")
-    else:
-        has_experts = any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
-        if expert_parallel_on is None:  # the planner's choice for decode on the real target
-            chosen = planned.phases["decode"].chosen if planned is not None else None
-            expert_parallel_on = has_experts and chosen is not None and chosen.plan.ep > 1
-        if expert_parallel_on and not has_experts:
-            raise ValueError(f"expert_parallel=True but {type(model).__name__} declares no MoE layer that can "
-                             "spread its experts (shard_experts)")
-        mesh = init_device_mesh(t.device.kind, (w,))
-        if expert_parallel_on:  # checked before any weight moves
-            n_experts = {getattr(m, "n_experts", w) for m in model.modules() if hasattr(m, "shard_experts")}
-            bad = sorted(e for e in n_experts if e % w)
-            if bad:
-                raise ValueError(f"{bad[0]} experts do not split over {w} ranks for expert parallelism")
+        island_groups(t)
+        return t, notes
+    has_experts = any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
+    if expert_parallel_on and not has_experts:
+        raise ValueError(f"expert_parallel=True but {type(model).__name__} declares no MoE layer that can "
+                         "spread its experts (shard_experts)")
+    degrees = choose_degrees(model, t, w, tensor_parallel=tensor_parallel,
+                             expert_parallel=expert_parallel_on if has_experts else False)
+    tp, ep_on = degrees.tp, degrees.expert_parallel
+    notes.append(degrees.why)
+    if ep_on and tp == 1:
+        raise ValueError("expert_parallel=True spreads experts over a tensor-parallel group, and tensor_parallel=1 "
+                         "has none (all-to-all dispatch across data-parallel replicas is not implemented)")
+    if ep_on:  # checked before any weight moves
+        n_experts = {getattr(m, "n_experts", tp) for m in model.modules() if hasattr(m, "shard_experts")}
+        bad = sorted(e for e in n_experts if e % tp)
+        if bad:
+            raise ValueError(f"{bad[0]} experts do not split over {tp} ranks for expert parallelism")
+    if tp > 1:
+        check_shardable(model, tp)  # before the mesh's groups are made
+        mesh = (init_device_mesh(t.device.kind, (w,)) if tp == w else
+                init_device_mesh(t.device.kind, (w // tp, tp), mesh_dim_names=("dp", "tp"))["tp"])
         plan = shard(model, mesh)
-        notes.append(f"tensor parallel over {w} ranks (rank {rank()}): {len(plan)} plan entries of "
-                     f"{type(model).__name__} applied with DTensor parallelize_module")
-        if expert_parallel_on:
+        members = dist.get_process_group_ranks(mesh.get_group())
+        notes.append(f"tensor parallel over ranks {members} (rank {rank()}): {len(plan)} plan entries of "
+                     f"{type(model).__name__} applied with DTensor parallelize_module"
+                     + (f"; {w // tp} data-parallel replicas, each rank serving its own inputs" if tp < w else ""))
+        if ep_on:
             n = expert_parallel(model, mesh.get_group())
-            notes.append(f"expert parallel over {w} ranks: routed experts of {n} MoE layer(s) spread, "
+            notes.append(f"expert parallel over those {tp} ranks: routed experts of {n} MoE layer(s) spread, "
                          "their outputs summed by an all-reduce")
+    else:
+        notes.append(f"data parallel: {w} replicas of the whole model, each rank serving its own inputs; no "
+                     "collective in the forward")
     island_groups(t)
-    advice = _planner_advice(planned, target)
-    if advice:
-        notes.append(advice)
     return t, notes
 
 
+@dataclass(frozen=True)
+class Degrees:
+    tp: int
+    expert_parallel: bool
+    why: str  # for the report
+
+
+def executable(plan) -> bool:
+    """Plans metainfer runs inside a job: tensor parallel in groups of tp ranks, replicated dp
+    times; experts spread only inside a tensor-parallel group (its ranks see the same tokens,
+    so an all-reduce combines their experts' outputs). No pipeline stages yet."""
+    return plan.pp == 1 and (plan.ep == 1 or plan.dp == 1)
+
+
+def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, *,
+                   tensor_parallel: int | None = None, expert_parallel: bool | None = None) -> Degrees:
+    """The tensor-parallel degree and whether experts are spread: the planner's fastest
+    executable decode plan for the model on `target` over `world` ranks, within what the
+    caller fixed. Without a planner result (a model whose shape it cannot read), tensor
+    parallel over every rank."""
+    if tensor_parallel is not None:
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+        if world % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} does not match the job's {world} ranks: tp x dp "
+                             f"must equal the world size (tp one of {[d for d in range(1, world + 1) if world % d == 0]})")
+    result = _planner_result(model, target)
+    if result is None or "decode" not in result.phases:
+        tp = tensor_parallel or world
+        return Degrees(tp, bool(expert_parallel),
+                       f"degrees: tp{tp} (the planner cannot read {type(model).__name__}'s shape; "
+                       + ("as asked)" if tensor_parallel else "tensor parallel over every rank)"))
+    ph = result.phases["decode"]
+    fits = [c for c in ph.candidates if c.runs and executable(c.plan)
+            and (tensor_parallel is None or c.plan.tp == tensor_parallel)
+            and (expert_parallel is None or (c.plan.ep > 1) == expert_parallel)]
+    fits.sort(key=lambda c: -c.tokens_per_second)
+    top = ph.chosen.plan.label if ph.chosen else "(none)"
+    if not fits:
+        tp = tensor_parallel or world
+        return Degrees(tp, bool(expert_parallel),
+                       f"degrees: tp{tp}{' with experts spread' if expert_parallel else ''} as asked; the planner "
+                       f"on {target.name} (decode, {ph.batch} x {ph.seq}) prices no executable plan like it; its "
+                       f"choice: {top}")
+    best = fits[0].plan
+    asked = "within what was asked, " if tensor_parallel is not None or expert_parallel is not None else ""
+    why = (f"degrees: {best.label}: the planner's fastest plan that metainfer executes, {asked}for decode "
+           f"({ph.batch} x {ph.seq}) on {target.name}, predicted {fits[0].tokens_per_second:,.0f} tok/s")
+    if best.label != top:
+        why += f"; its overall choice {top} needs pipeline stages or all-to-all expert dispatch, not executed yet"
+    prefill = result.phases.get("prefill")
+    if prefill is not None and prefill.chosen is not None:
+        why += f"; for prefill it would pick {prefill.chosen.plan.label} (one plan serves both phases here)"
+    return Degrees(best.tp, best.ep > 1, why)
+
+
 def _planner_result(model, target):
-    """The planner's plans for this model on the real target (its default workloads), or
+    """The planner's plans for this model on the job's target (its default workloads), or
     None where it cannot read the model's shape or nothing fits."""
     from metainfer import planner, shapes
 
@@ -228,17 +300,6 @@ def _planner_result(model, target):
         return planner.plan(shapes.resolve(cfg), target)
     except Exception:
         return None
-
-
-def _planner_advice(result, target) -> str | None:
-    """What the planner would run on the real target, beside what the job runs (tensor
-    parallel over every rank: the one plan metainfer executes so far)."""
-    if result is None:
-        return None
-    picks = "; ".join(f"{ph} ({p.batch} x {p.seq}) {p.chosen.plan.label}" for ph, p in result.phases.items()
-                      if p.chosen)
-    return (f"planner on {_targets.get(target).name}: {picks}; this job runs tp{world_size()} (the plan "
-            "metainfer executes today is tensor parallel over every rank, expert parallel where chosen)")
 
 
 # ---- the topology's sub-groups ------------------------------------------------------------

@@ -209,7 +209,8 @@ def _pays(roots, region, boundary, target, pg, tokens, n) -> tuple[bool, str]:
     ranks = tuple(dist.get_process_group_ranks(pg))
     if max(ranks) >= target.num_devices:
         return False, f"the group's ranks {ranks} are not devices of the target"
-    allowed = ("ring", "hierarchical")
+    # hierarchical runs on the island sub-groups of the whole job (as select_collectives has it)
+    allowed = ("ring", "hierarchical") if len(ranks) == dist.get_world_size() else ("ring",)
 
     def nbytes(v):
         t = tensor_val(v)

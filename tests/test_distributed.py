@@ -43,7 +43,8 @@ def tp_equivalence(rank, world, kind, kv_heads, passes=None):
     with torch.no_grad():
         ref = logits(model(ids))
     opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
-                             passes=passes, expert_parallel=False)  # expert parallelism: its own test
+                             passes=passes, tensor_parallel=world,  # tiny models: the planner would replicate
+                             expert_parallel=False)  # expert parallelism: its own test
     with torch.no_grad():
         out = logits(opt(ids))
     rec = {r.name: (r.matches, r.decisions) for r in opt.report.passes}
@@ -56,7 +57,7 @@ def sequence_parallel_run(rank, world, target, kind):
         ref = logits(model(ids))
     opt = metainfer.optimize(model, target, example_inputs=(ids,), emulate=True, lowering="aot_eager",
                              passes=["fuse_attention", "sequence_parallel", "select_collectives"],
-                             expert_parallel=False)
+                             tensor_parallel=world, expert_parallel=False)
     with torch.no_grad():
         out = logits(opt(ids))
     sp, sel = opt.report.record("sequence_parallel"), opt.report.record("select_collectives")
@@ -78,6 +79,29 @@ def expert_parallel_run(rank, world, experts=8, groups=4):
             opt.report.matches("select_collectives"), opt.report.notes)
 
 
+def degrees_run(rank, world, tensor_parallel):
+    """optimize() with the degree left to the planner (None) or fixed; each data-parallel
+    replica gets its own inputs (the ranks of one tensor-parallel group the same ones)."""
+    model, _, logits = _model("hf-llama", 2)
+    tp = tensor_parallel or 1
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + rank // tp))
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             tensor_parallel=tensor_parallel)
+    with torch.no_grad():
+        out = logits(opt(ids))
+    rec = opt.report.record("select_collectives")
+    graphs = "".join(r.graph_after or "" for r in opt.report.passes)
+    return ((out - ref).abs().max().item(), opt.report.notes, rec.decisions if rec else [],
+            "_c10d_functional" in graphs, ids[0, :4].tolist())
+
+
+def degree_mismatch(rank, world):
+    model, ids, _ = _model("hf-llama", 2)
+    metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, tensor_parallel=3)
+
+
 def symmetric_memory_selection(rank, world, available):
     """The pass's choice where P2P kernels would be available (pretended here: the graph is
     only analysed, never run, since the op has no CPU implementation) and where not."""
@@ -85,7 +109,7 @@ def symmetric_memory_selection(rank, world, available):
 
     sc._symmetric_memory_available = lambda target: available
     model, ids, _ = _model("hf-llama", 2)
-    t, _ = distributed.prepare(model, "pcie8", emulate=True)
+    t, _ = distributed.prepare(model, "pcie8", emulate=True, tensor_parallel=world)
     report = metainfer.analyze(model, t, example_inputs=(ids,), passes=["select_collectives"])
     rec = report.record("select_collectives")
     return rec.decisions, rec.graph_after or ""
@@ -96,7 +120,8 @@ def low_precision_run(rank, world):
     with torch.no_grad():
         ref = logits(model(ids))
     opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
-                             passes=["select_collectives"], pass_options={"all_reduce_dtype": "bf16"})
+                             passes=["select_collectives"], pass_options={"all_reduce_dtype": "bf16"},
+                             tensor_parallel=world)
     with torch.no_grad():
         out = logits(opt(ids))
     rec = opt.report.record("select_collectives")
@@ -163,7 +188,8 @@ def killed_rank(rank, world):
 
 def bad_heads(rank, world):
     model = models.build("llama-tiny")  # 4 heads, 2 kv heads: not over 4 ranks
-    metainfer.optimize(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8), emulate=True)
+    metainfer.optimize(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8), emulate=True,
+                       tensor_parallel=4)
 
 
 def no_plan(rank, world):
@@ -183,9 +209,54 @@ def test_two_ranks_equal_the_unsharded_model(kind):
     for diff, rec, target, notes in results:
         assert diff < 1e-4, diff
         assert target == "pcie8@2x1" and any("emulated" in n for n in notes)
-        assert any("tensor parallel over 2 ranks" in n for n in notes)
+        assert any("tensor parallel over ranks [0, 1]" in n for n in notes)
         fused = rec["fuse_attention"][0] + rec["mla_prefill"][0] + rec["sparse_mla"][0]
         assert fused >= 2  # attention over each rank's own heads still fuses
+
+
+def test_the_planner_picks_the_degrees_by_default():
+    """A tiny model on pcie8@2x1: the planner's decode plan is two replicas (tp1 dp2), so
+    nothing is sharded and the forward has no collective."""
+    results = multirank.run(degrees_run, 2, args=(None,), timeout_s=TIMEOUT_S)
+    for diff, notes, decisions, has_collectives, _ in results:
+        assert diff < 1e-4, diff
+        assert any(n.startswith("degrees: tp1 dp2: the planner's fastest plan") for n in notes), notes
+        assert any("data parallel: 2 replicas" in n for n in notes)
+        assert not has_collectives and not decisions
+
+
+def test_tensor_parallel_groups_inside_data_parallel_replicas():
+    """tp2 x dp2 on pcie8@2x2: ranks {0,1} and {2,3} each hold one sharded replica on their
+    own island and serve their own inputs; their all-reduces stay inside the island, so the
+    library's ring is kept."""
+    results = multirank.run(degrees_run, 4, args=(2,), timeout_s=TIMEOUT_S)
+    for r, (diff, notes, decisions, has_collectives, _) in enumerate(results):
+        assert diff < 1e-4, diff
+        group = [0, 1] if r < 2 else [2, 3]
+        assert any(f"tensor parallel over ranks {group}" in n and "2 data-parallel replicas" in n for n in notes)
+        assert has_collectives and len(decisions) == 4
+        assert all("over 2 ranks: flat ring" in d and "(kept)" in d and "across islands 0.0 KiB" in d
+                   for d in decisions), decisions
+    assert results[0][4] == results[1][4] != results[2][4] == results[3][4], "replicas served different inputs"
+
+
+def test_a_degree_that_does_not_divide_the_job_is_refused():
+    with pytest.raises(multirank.RankFailure, match="tensor_parallel=3 does not match the job's 2 ranks"):
+        multirank.run(degree_mismatch, 2, timeout_s=TIMEOUT_S)
+
+
+def test_choose_degrees_keeps_to_plans_metainfer_executes():
+    """Llama-3-70B on pcie8: the planner's decode choice has pipeline stages; the job runs
+    its fastest plan without them, and says so."""
+    model = models.build("llama3-70b", device="meta")
+    d = distributed.choose_degrees(model, targets.get("pcie8"), 8)
+    assert d.why.startswith(f"degrees: tp{d.tp}") and "needs pipeline stages" in d.why, d.why
+    assert d.tp in (4, 8) and not d.expert_parallel
+    fixed = distributed.choose_degrees(model, targets.get("pcie8"), 8, tensor_parallel=8)
+    assert fixed.tp == 8 and "within what was asked" in fixed.why
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="tensor_parallel"):
+            distributed.choose_degrees(model, targets.get("pcie8"), 8, tensor_parallel=bad)
 
 
 @pytest.mark.parametrize("kind", ["hf-llama", "models-llama", "models-deepseek"])

@@ -23,20 +23,44 @@ from metainfer.report import GraphSection, Report
 
 
 def analyze(model: torch.nn.Module, target="pcie8", *, example_inputs, passes: Iterable | None = None,
-            disable: Iterable[str] = (), pass_options: dict | None = None) -> Report:
+            disable: Iterable[str] = (), pass_options: dict | None = None, ranks: int | None = None,
+            tensor_parallel: int | None = None, expert_parallel: bool | None = None) -> Report:
     """The report optimize(model, target, example_inputs=...) would give, with the simulator's
     predictions, from capture and passes alone: nothing is compiled or run, and the model and
-    inputs may be on the `meta` device."""
-    from metainfer.api import _as_args
+    inputs may be on the `meta` device.
 
+    ranks: analyse rank 0 of a job over the target's `ranks` devices from this one process
+        (torch's fake process group): the model is sharded in place as optimize() would shard
+        it inside the job (degrees from the planner, or `tensor_parallel` / `expert_parallel`),
+        and the graph holds that rank's shapes and collectives."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if any(m.training for m in model.modules()):
         raise ValueError("model is in training mode; call model.eval() before metainfer.analyze")
     t = _targets.get(target)
+    if ranks is None:
+        if tensor_parallel is not None or expert_parallel is not None:
+            raise ValueError("tensor_parallel / expert_parallel need ranks= (the job analysed)")
+        return _analyze(model, t, example_inputs, passes, disable, pass_options, [])
+    if ranks != t.num_devices:
+        raise ValueError(f"ranks={ranks!r}: target {t.name!r} has {t.num_devices} devices; analyse one rank of a "
+                         "job over all of them")
+    from metainfer import distributed
+
+    with distributed.fake_job(ranks):
+        t, notes = distributed.prepare(model, t, emulate=False, expert_parallel_on=expert_parallel,
+                                       tensor_parallel=tensor_parallel)
+        notes = [f"analysed as rank 0 of {ranks} in one process (torch's fake process group)"] + notes
+        return _analyze(model, t, example_inputs, passes, disable, pass_options, notes)
+
+
+def _analyze(model, t, example_inputs, passes, disable, pass_options, job_notes: list[str]) -> Report:
+    from metainfer.api import _as_args
+
     chosen, disabled, explicit = resolve(t, passes, disable)
     report = Report(t, [p.name for p in chosen], notes=["analysis only: graphs captured and passed, "
-                                                        "not compiled or run; times are the simulator's predictions"])
+                                                        "not compiled or run; times are the simulator's predictions"]
+                    + job_notes)
     args, kwargs = _as_args(example_inputs)
     if _is_hf(model) and "use_cache" not in kwargs:
         # a KV cache transformers creates inside forward holds real (non-fake) empty tensors,

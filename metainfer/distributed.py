@@ -23,6 +23,7 @@ the job's ranks, and tensor-parallel sharding through DTensor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -341,3 +342,57 @@ def island_groups(target: _targets.Target) -> IslandGroups | None:
         cross = {j: name([isl[j] for isl in islands]) for j in range(k)}
         _GROUPS[key] = IslandGroups(islands, intra, cross)
     return _GROUPS[key]
+
+
+# ---- one process standing for a whole job ------------------------------------------------
+
+@contextlib.contextmanager
+def fake_job(world: int):
+    """Rank 0 of a `world`-rank job in this one process, on torch's "fake" process group:
+    sharding and capture see the real per-rank shapes and collectives, and nothing is sent.
+    How a multi-device target is analysed on a laptop (metainfer.analyze(..., ranks=N))."""
+    if dist.is_initialized():
+        raise RuntimeError("already inside a torch.distributed job: analyse there without ranks=")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _GROUPS.clear()
+        from metainfer.passes import select_collectives
+
+        select_collectives._AGREED.clear()
+
+
+# ---- collective order across ranks ---------------------------------------------------------
+
+def collective_order_mismatch(signature: list, groups: list[str]) -> str | None:
+    """Compare this rank's collective sequence (`signature`, the same form on every rank) with
+    every other member of each group the graph's collectives run on; None where they agree
+    or outside a job. Groups are visited in name order, the same on every rank, so no two
+    ranks wait on each other in a cycle. Every member learns of a mismatch."""
+    if world_size() <= 1:
+        return None
+    import hashlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    digest = hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
+    for name in groups:
+        try:
+            pg = dist.distributed_c10d._resolve_process_group(name)
+        except Exception:
+            continue
+        if dist.get_backend(pg) == "fake":  # one process standing for all ranks: nothing to compare
+            continue
+        got: list = [None] * pg.size()
+        with unset_fake_temporarily():  # passes run under the compiler's fake mode; this is a real exchange
+            dist.all_gather_object(got, (rank(), digest, len(signature)), group=pg)
+        differ = [r for r, d, _ in got if d != digest]
+        if differ:
+            members = dist.get_process_group_ranks(pg)
+            return (f"rank(s) {differ} of group {members} would issue a different sequence of collectives than "
+                    f"rank {rank()} ({len(signature)} here)")
+    return None

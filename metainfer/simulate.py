@@ -5,7 +5,9 @@ each `wait_tensor` sits.
 - A compute op starts when the compute stream is free and its inputs are ready.
 - A functional collective (`_c10d_functional.all_reduce`, `all_gather_into_tensor`,
   `reduce_scatter_tensor`, `all_to_all_single`) is issued on the communication stream when
-  that stream is free and its input is ready; its result is ready when it finishes.
+  the compute stream reaches it in program order, that stream is free and its input is
+  ready; its result is ready when it finishes. So where a collective sits matters: issued
+  before independent compute, it runs beside it.
 - `wait_tensor(x)` blocks the compute stream until x's collective is done: the time the
   compute stream spends blocked there is exposed communication.
 
@@ -13,7 +15,8 @@ each `wait_tensor` sits.
 intervals, the floor (max(total compute, total communication with the best algorithm per
 collective)), the ops the cost model priced by bytes only, and a Chrome trace (`trace()`,
 JSON that Perfetto and chrome://tracing open). `Timeline` is the two-stream core; the
-planner drives it directly with the ops of a modelled layer.
+planner drives it directly with the ops of a modelled layer; `GraphTimeline` places graph
+nodes one at a time (the overlap scheduler tries orders with it).
 This is a model of hardware we may not have: every figure it gives is a prediction.
 """
 
@@ -163,40 +166,59 @@ def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
     return target.num_devices
 
 
-def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algorithms: dict | None = None) -> Schedule:
-    """Predicted schedule of one call of `gm` on one device of `target`. `algorithms` maps a
-    collective node's name to the algorithm it runs (default: the library's, i.e. the first
-    listed in metainfer.cost.ALGORITHMS)."""
-    algorithms = algorithms or {}
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-    ready: dict[torch.fx.Node, float] = {}
-    tl = Timeline(target)
-    for node in graph.nodes:
-        deps = max((ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
+class GraphTimeline:
+    """The FX walk over a `Timeline`: `place(node)` runs one node where the program order has
+    put it (after everything placed before), so a scheduler can try orders node by node.
+
+    A collective is issued when the compute stream reaches it in program order (the host
+    enqueues it then; on a GPU its stream waits for the compute stream's work so far), and
+    its input is ready; `wait_tensor` blocks the compute stream until it ends."""
+
+    def __init__(self, target: Target, algorithms: dict | None = None):
+        self.target = target
+        self.algorithms = algorithms or {}
+        self.ready: dict[torch.fx.Node, float] = {}
+        self.tl = Timeline(target)
+
+    def inputs_ready(self, node: torch.fx.Node) -> float:
+        return max((self.ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
+
+    def place(self, node: torch.fx.Node) -> float:
+        tl, target = self.tl, self.target
+        deps = self.inputs_ready(node)
         if node.op != "call_function":
-            ready[node] = deps
-            continue
+            self.ready[node] = deps
+            return deps
         _, name = cost.op_name(node)
         if _is_c10d(node) and name in _COLLECTIVES:
             kind = _COLLECTIVES[name]
             nbytes = _collective_bytes(node, kind)
             ranks = group_ranks(node, target)
-            c = cost.collective_cost(kind, nbytes, target, algorithms.get(node.name), ranks=ranks)
-            ready[node] = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, deps)
+            c = cost.collective_cost(kind, nbytes, target, self.algorithms.get(node.name), ranks=ranks)
+            end = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, max(deps, tl.compute_free))
         elif _is_c10d(node) and name == "wait_tensor":
-            ready[node] = tl.wait(deps)
+            end = tl.wait(deps)
         elif name == "symm_mem_all_reduce":  # a P2P all-reduce kernel: the compute stream waits for it
             nbytes = cost.tensor_bytes(node.args[0].meta["val"])
             ranks = group_ranks(node, target)
             c = cost.collective_cost("all_reduce", nbytes, target, node.args[1], ranks=ranks)
-            ready[node] = tl.wait(tl.communicate(c, cost.best("all_reduce", nbytes, target, ranks=ranks).seconds,
-                                                 max(deps, tl.compute_free)))
+            end = tl.wait(tl.communicate(c, cost.best("all_reduce", nbytes, target, ranks=ranks).seconds,
+                                         max(deps, tl.compute_free)))
         else:
             c = cost.op_cost(node, target)
             if c.priced_by_bytes:
                 tl.priced_by_bytes[name] += 1
-            if c.seconds == 0:
-                ready[node] = deps
-                continue
-            ready[node] = tl.compute(name, c.seconds, deps, f"{c.bound}-bound")
-    return tl.schedule()
+            end = deps if c.seconds == 0 else tl.compute(name, c.seconds, deps, f"{c.bound}-bound")
+        self.ready[node] = end
+        return end
+
+
+def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algorithms: dict | None = None) -> Schedule:
+    """Predicted schedule of one call of `gm` on one device of `target`. `algorithms` maps a
+    collective node's name to the algorithm it runs (default: the library's, i.e. the first
+    listed in metainfer.cost.ALGORITHMS)."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    walk = GraphTimeline(target, algorithms)
+    for node in graph.nodes:
+        walk.place(node)
+    return walk.tl.schedule()

@@ -71,11 +71,29 @@ def _symmetric_memory_available(target) -> bool:
     if world not in _AGREED:
         local = symm_mem.available(target.device.kind)
         if world:
-            flag = torch.tensor([1 if local else 0], device="cuda" if torch.cuda.is_available() else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            local = bool(flag.item())
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # passes run under the compiler's fake mode; this is a real exchange
+                flag = torch.tensor([1 if local else 0], device="cuda" if torch.cuda.is_available() else "cpu")
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                local = bool(flag.item())
         _AGREED[world] = local
     return _AGREED[world]
+
+
+def allowed_algorithms(target, ranks: tuple[int, ...]) -> set[str]:
+    """The all-reduce algorithms this pass may pick for a group of `ranks` on `target`:
+    the ring always; hierarchical on the whole job's island groups; one-/two-shot where P2P
+    kernels exist on every rank."""
+    from metainfer import distributed
+
+    allowed = {"ring"}
+    if (dist.is_available() and dist.is_initialized() and len(ranks) == dist.get_world_size()
+            and distributed.island_groups(target) is not None):
+        allowed.add("hierarchical")
+    if _symmetric_memory_available(target):
+        allowed |= {"one_shot", "two_shot"}
+    return allowed
 
 
 @register

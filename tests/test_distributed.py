@@ -97,6 +97,39 @@ def degrees_run(rank, world, tensor_parallel):
             "_c10d_functional" in graphs, ids[0, :4].tolist())
 
 
+def pipelined_run(rank, world, chunks):
+    """The default pipeline with pipeline_collectives' k forced (the tiny model's matmuls are
+    too small for chunks to pay, so the cost model alone would keep them whole)."""
+    model, ids, logits = _model("hf-llama", world)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             tensor_parallel=world, pass_options={"pipeline_chunks": chunks})
+    with torch.no_grad():
+        out = logits(opt(ids))
+    rec = {n: opt.report.record(n) for n in ("pipeline_collectives", "select_collectives", "overlap_collectives")}
+    return (out - ref).abs().max().item(), {n: (r.matches, r.decisions) for n, r in rec.items()}
+
+
+def order_mismatch_run(rank, world):
+    """Rank 1 pretends its schedule issues the collectives in another order: every rank must
+    refuse the re-ordering (and still compute the right thing)."""
+    from metainfer.passes import overlap_collectives as oc
+
+    if rank == 1:
+        real = oc.collective_signature
+        oc.collective_signature = lambda order: list(reversed(real(order)))
+    model, ids, logits = _model("models-deepseek", 2)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             tensor_parallel=world, expert_parallel=False)
+    with torch.no_grad():
+        out = logits(opt(ids))
+    rec = opt.report.record("overlap_collectives")
+    return (out - ref).abs().max().item(), rec.matches, rec.near_misses
+
+
 def degree_mismatch(rank, world):
     model, ids, _ = _model("hf-llama", 2)
     metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, tensor_parallel=3)
@@ -212,6 +245,9 @@ def test_two_ranks_equal_the_unsharded_model(kind):
         assert any("tensor parallel over ranks [0, 1]" in n for n in notes)
         fused = rec["fuse_attention"][0] + rec["mla_prefill"][0] + rec["sparse_mla"][0]
         assert fused >= 2  # attention over each rank's own heads still fuses
+        if kind == "models-deepseek":  # the shared experts' all-reduce runs beside the routed experts
+            matches, lines = rec["overlap_collectives"]
+            assert any("shared_experts" in d and "compute op(s) now between" in d for d in lines), lines
 
 
 def test_the_planner_picks_the_degrees_by_default():
@@ -238,6 +274,24 @@ def test_tensor_parallel_groups_inside_data_parallel_replicas():
         assert all("over 2 ranks: flat ring" in d and "(kept)" in d and "across islands 0.0 KiB" in d
                    for d in decisions), decisions
     assert results[0][4] == results[1][4] != results[2][4] == results[3][4], "replicas served different inputs"
+
+
+def test_pipelined_collectives_equal_the_unsharded_model():
+    results = multirank.run(pipelined_run, 4, args=(4,), timeout_s=TIMEOUT_S)
+    for diff, rec in results:
+        assert diff < 1e-4, diff
+        matches, lines = rec["pipeline_collectives"]
+        assert matches == 4 and all("k=4 chunks of 8 rows" in d for d in lines), lines
+        assert rec["select_collectives"][0] == 16, "each chunk's all-reduce is selected on its own"
+        assert rec["overlap_collectives"][0] >= 1
+    assert all(r[1] == results[0][1] for r in results), "every rank decides the same"
+
+
+def test_overlap_is_refused_when_ranks_would_order_collectives_differently():
+    results = multirank.run(order_mismatch_run, 2, timeout_s=TIMEOUT_S)
+    for diff, matches, near in results:
+        assert diff < 1e-4 and matches == 0
+        assert any("collective order differs between ranks" in m for m in near), near
 
 
 def test_a_degree_that_does_not_divide_the_job_is_refused():

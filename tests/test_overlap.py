@@ -1,0 +1,146 @@
+"""overlap_collectives and pipeline_collectives on graphs built in one process (their
+multi-rank equivalence is in test_distributed.py), and a real-size Llama layer analysed as
+rank 0 of pcie8 on torch's fake process group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import metainfer
+from metainfer import models, targets
+from metainfer.passes import overlap_collectives as oc
+from metainfer.passes import pipeline_collectives as pc
+from metainfer.testing import run_pass
+
+c10d = torch.ops._c10d_functional
+
+
+def _graph(fn, *shapes):
+    return make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+
+
+def wait_before_independent_work(x, w1, w2):
+    r = c10d.wait_tensor(c10d.all_reduce(x @ w1, "sum", "0"))
+    z = torch.relu(x @ w2)  # does not need r
+    return r + z
+
+
+def nothing_independent(x, w1, w2):
+    r = c10d.wait_tensor(c10d.all_reduce(x @ w1, "sum", "0"))
+    return torch.relu(r @ w2)
+
+
+def names(gm):
+    return [n.name for n in gm.graph.nodes]
+
+
+def test_overlap_moves_the_wait_behind_independent_compute():
+    gm = _graph(wait_before_independent_work, (64, 256), (256, 256), (256, 256))
+    after, rec = run_pass("overlap_collectives", gm, "pcie8")
+    order = names(after)
+    assert rec.matches == 1, rec.near_misses
+    assert order.index("all_reduce") < order.index("mm_1") < order.index("relu") < order.index("wait_tensor")
+    assert sorted(order) == sorted(names(gm)), "only the order changes"
+    assert "2 compute op(s) now between issue and wait (0 before)" in rec.decisions[0]
+    assert rec.predicted_after_s < rec.predicted_before_s
+    assert "graph re-ordered" in rec.decisions[-1] and "peak live activations" in rec.decisions[-1]
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g) for s in ((64, 256), (256, 256), (256, 256))]
+    # outside a job the collective is the identity on one rank: both orders compute the same
+    with _one_rank_job():
+        torch.testing.assert_close(after(*args), gm(*args))
+
+
+def test_overlap_does_not_fire_without_independent_compute():
+    gm = _graph(nothing_independent, (64, 256), (256, 256), (256, 256))
+    after, rec = run_pass("overlap_collectives", gm, "pcie8")
+    assert rec.matches == 0 and not rec.decisions
+    assert names(after) == names(gm)
+    assert any("no independent compute" in m or "already the scheduler's" in m for m in rec.near_misses)
+
+
+def test_overlap_keeps_writes_into_inputs_in_place():
+    """An in-place write is a barrier: the independent matmul after it may not move before it,
+    so nothing can fill the gap."""
+    def fn(x, w1, w2, buf):
+        r = c10d.wait_tensor(c10d.all_reduce(x @ w1, "sum", "0"))
+        buf.copy_(r)
+        return torch.relu(x @ w2) + buf
+
+    gm = _graph(fn, (64, 256), (256, 256), (256, 256), (64, 256))
+    after, rec = run_pass("overlap_collectives", gm, "pcie8")
+    order = names(after)
+    assert order.index("copy_") < order.index("mm_1")
+    assert rec.matches == 0
+
+
+def test_overlap_refuses_a_schedule_over_the_memory_bound():
+    gm = _graph(wait_before_independent_work, (64, 256), (256, 256), (256, 256))
+    after, rec = run_pass("overlap_collectives", gm, "pcie8", options={"overlap_memory_bytes": 1024})
+    assert rec.matches == 0 and names(after) == names(gm)
+    assert any("exceeds the memory bound" in m and "bound 0.00 MiB" in m for m in rec.near_misses), rec.near_misses
+    with pytest.raises(Exception, match="overlap_memory_bytes must be a non-negative number"):
+        run_pass("overlap_collectives", gm, "pcie8", options={"overlap_memory_bytes": -1})
+
+
+def test_peak_live_bytes_counts_views_as_their_base():
+    def fn(x):
+        a = x * 2           # 1 KiB, alive until b
+        v = a.view(-1)      # shares a
+        b = v + 1           # 1 KiB; a freed after this
+        return b * 3        # 1 KiB; b freed after this
+    gm = _graph(fn, (16, 16))
+    order = list(gm.graph.nodes)
+    assert oc.peak_live_bytes(order) == 2 * 16 * 16 * 4
+
+
+def test_pipeline_chunks_pay_for_prefill_and_not_for_decode():
+    t = targets.get("pcie8")
+    ranks = tuple(range(8))
+    ring = {"ring"}
+    prefill = {k: pc.predicted(16384, 3584, 8192, torch.bfloat16, k, t, ranks, ring) for k in pc.K_CHOICES}
+    decode = {k: pc.predicted(64, 3584, 8192, torch.bfloat16, k, t, ranks, ring) for k in pc.K_CHOICES}
+    assert min(prefill, key=prefill.get) > 1
+    assert min(decode, key=decode.get) == 1, "a small GEMM re-reads its weight per chunk"
+
+
+def test_pipeline_collectives_needs_a_job():
+    gm = _graph(nothing_independent, (64, 256), (256, 256), (256, 256))
+    after, rec = run_pass("pipeline_collectives", gm, "pcie8")
+    assert rec.matches == 0 and names(after) == names(gm)
+
+
+def test_real_size_layer_analysed_as_rank_zero_of_pcie8():
+    """A Llama-3-70B layer (bf16, meta) sharded tp8 on the fake process group: the graph has
+    the per-rank shapes and its collectives; prefill pipelines a row-parallel matmul and the
+    scheduler overlaps; the job is gone afterwards."""
+    model = models.build("llama3-70b", device="meta", n_layers=1, dtype=torch.bfloat16)
+    ids = torch.zeros(4, 4096, dtype=torch.long, device="meta")
+    report = metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=8, tensor_parallel=8)
+    assert not dist.is_initialized()
+    assert any("rank 0 of 8" in n for n in report.notes)
+    pipe, sel, ov = (report.record(n) for n in ("pipeline_collectives", "select_collectives", "overlap_collectives"))
+    assert len(pipe.decisions) == 2 and all(d.split(": ")[1].startswith("mm 16384x") for d in pipe.decisions)
+    assert pipe.matches >= 1 and any("chunks of" in d for d in pipe.decisions), pipe.decisions
+    assert sel.matches >= 2 + pipe.matches and ov.matches >= 1
+    assert ov.predicted_after_s < pipe.predicted_before_s
+    with pytest.raises(ValueError, match="has 8 devices"):
+        metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=4)
+
+
+class _one_rank_job:
+    """A gloo job of one rank on 127.0.0.1, for running graphs with functional collectives."""
+
+    def __enter__(self):
+        import os
+
+        from torch.distributed import TCPStore
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        dist.init_process_group("gloo", store=self.store, rank=0, world_size=1)
+        return self
+
+    def __exit__(self, *exc):
+        dist.destroy_process_group()

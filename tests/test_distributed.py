@@ -111,6 +111,21 @@ def pipelined_run(rank, world, chunks):
     return (out - ref).abs().max().item(), {n: (r.matches, r.decisions) for n, r in rec.items()}
 
 
+def two_batch_run(rank, world, kind, expert_parallel):
+    """The default pipeline with two_batch_overlap forced (on tiny models the cost model
+    declines: two micro-batches of one sequence do not pay)."""
+    model, ids, logits = _model(kind, world)
+    with torch.no_grad():
+        ref = logits(model(ids))
+    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+                             tensor_parallel=world, expert_parallel=expert_parallel,
+                             pass_options={"two_batch_overlap": True})
+    with torch.no_grad():
+        out = logits(opt(ids))
+    tb, ov = opt.report.record("two_batch_overlap"), opt.report.record("overlap_collectives")
+    return (out - ref).abs().max().item(), tb.matches, tb.decisions, ov.matches
+
+
 def order_mismatch_run(rank, world):
     """Rank 1 pretends its schedule issues the collectives in another order: every rank must
     refuse the re-ordering (and still compute the right thing)."""
@@ -285,6 +300,15 @@ def test_pipelined_collectives_equal_the_unsharded_model():
         assert rec["select_collectives"][0] == 16, "each chunk's all-reduce is selected on its own"
         assert rec["overlap_collectives"][0] >= 1
     assert all(r[1] == results[0][1] for r in results), "every rank decides the same"
+
+
+@pytest.mark.parametrize("kind,world,ep", [("hf-llama", 4, False), ("models-deepseek", 2, True)])
+def test_two_micro_batches_equal_the_unsharded_model(kind, world, ep):
+    results = multirank.run(two_batch_run, world, args=(kind, ep), timeout_s=TIMEOUT_S)
+    for diff, matches, decisions, overlapped in results:
+        assert diff < 1e-4, diff
+        assert matches == 1 and "split into 2 micro-batches of 1" in decisions[0], decisions
+        assert overlapped >= 2, "the scheduler interleaves the two micro-batches"
 
 
 def test_overlap_is_refused_when_ranks_would_order_collectives_differently():

@@ -144,3 +144,80 @@ class _one_rank_job:
 
     def __exit__(self, *exc):
         dist.destroy_process_group()
+
+
+# ---- two_batch_overlap ---------------------------------------------------------------------
+
+from metainfer.passes import two_batch_overlap as tbo  # noqa: E402
+from metainfer.testing import capture_graph, tiny_hf_model  # noqa: E402
+
+KERNEL_PASSES = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu")
+
+
+def _captured(kind: str, batch: int, seq: int):
+    if kind.startswith("hf-"):
+        model = tiny_hf_model({"hf-llama": "Llama", "hf-qwen2": "Qwen2"}[kind], attn="eager", layers=2)
+        ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(batch * 100 + seq))
+        fn = lambda t: model(t).logits  # noqa: E731
+    else:
+        model = models.build(kind)
+        ids = models.example_inputs(kind, batch=batch, seq=seq, seed=seq)[0]
+        fn = model
+    gm, args = capture_graph(fn, ids)
+    for p in KERNEL_PASSES:  # the graph as two_batch_overlap sees it in the pipeline
+        gm, _ = run_pass(p, gm, "cpu")
+    return gm, args
+
+
+@pytest.mark.parametrize("kind", ["llama-tiny", "deepseek-tiny", "deepseek-v32-tiny", "hf-llama", "hf-qwen2"])
+@pytest.mark.parametrize("batch,seq", [(2, 16), (4, 7)])
+def test_batch_split_equals_the_whole_batch(kind, batch, seq):
+    """The split graph (two micro-batch chains, joined at the output) computes what the
+    graph did, on the kernels' graphs of every model: no collective needed to check that."""
+    gm, args = _captured(kind, batch, seq)
+    split = torch.fx.GraphModule(gm, torch.fx.Graph())
+    split.graph = _copy(gm.graph)
+    trace = tbo.BatchTrace(split.graph)
+    assert trace.batch == batch
+    duplicated = tbo.split(split.graph, trace)
+    split.graph.eliminate_dead_code()
+    split.graph.lint()
+    split.recompile()
+    assert duplicated > 20
+    mm = [n for n in split.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert mm and all(n.meta["val"].shape[0] == batch * seq // 2 for n in mm if n.args[0].meta["val"].shape[0] != 1)
+    with torch.no_grad():
+        torch.testing.assert_close(split(*args), gm(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_split_refuses_what_it_cannot_trace():
+    def reduce_over_batch(ids, w):
+        return torch.nn.functional.embedding(ids, w).sum(0)
+
+    gm, _ = capture_graph(reduce_over_batch, torch.randint(0, 8, (2, 4)), torch.randn(8, 4))
+    with pytest.raises(tbo.Unsplittable, match="reduces over the batch"):
+        tbo.BatchTrace(gm.graph)
+    gm, _ = capture_graph(lambda x: x * 2, torch.randn(2, 4))
+    with pytest.raises(tbo.Unsplittable, match="no token-id input"):
+        tbo.BatchTrace(gm.graph)
+
+
+def test_two_batch_overlap_pays_for_prefill_not_decode():
+    """Real-size Llama-3-70B layer as rank 0 of pcie8 (tp8): prefill 4 x 4096 splits, decode
+    64 x 1 (each micro-batch would read the weights again) and a batch of 1 do not."""
+    def run(batch, seq):
+        model = models.build("llama3-70b", device="meta", n_layers=1, dtype=torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        report = metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=8, tensor_parallel=8)
+        return report.record("two_batch_overlap")
+
+    prefill, decode, single = run(4, 4096), run(64, 1), run(1, 4096)
+    assert prefill.matches == 1 and "split into 2 micro-batches of 2" in prefill.decisions[0], prefill.near_misses
+    assert decode.matches == 0 and any("does not pay" in m for m in decode.near_misses), decode.near_misses
+    assert single.matches == 0 and any("batch of 1" in m for m in single.near_misses), single.near_misses
+
+
+def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return g

@@ -17,6 +17,9 @@ for reduce-scatter the unreduced input):
   needs P2P); these two are the algorithms of P2P all-reduce kernels (symmetric memory),
   not of the library, whose reduce-scatter + all-gather are two rings; `hierarchical` (ring reduce-scatter inside each island, ring all-reduce of the
   shard across islands (the island's k rings share the boundary link), ring all-gather inside);
+- a group over part of each island (one rank per island, say) shares the boundary with its
+  sibling groups, which run the same collective at the same time (every rank runs the same
+  program): the boundary's bandwidth is divided among them;
 - all_gather, reduce_scatter: `ring`;
 - all_to_all: `direct` (each rank sends nbytes/n to every peer in one step).
 """
@@ -81,6 +84,11 @@ class _Topo:
         inter = target.topology.inter_island or intra
         self.bw_i, self.lat_i = intra.bandwidth, intra.latency_s
         self.bw_x, self.lat_x = (inter.bandwidth, inter.latency_s) if self.m > 1 else (intra.bandwidth, intra.latency_s)
+        if self.m > 1:
+            # every rank runs the same program: a group with j of an island's K devices has
+            # K / j sibling groups issuing the same collective at once, sharing the boundary
+            full = len(target.topology.islands[0])
+            self.bw_x /= max(1.0, full / self.k)
         self.p2p = target.topology.p2p
 
     @property

@@ -248,11 +248,15 @@ def executable(plan) -> bool:
 
 
 def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, *,
-                   tensor_parallel: int | None = None, expert_parallel: bool | None = None) -> Degrees:
+                   tensor_parallel: int | None = None, expert_parallel: bool | None = None,
+                   phase: str = "decode") -> Degrees:
     """The tensor-parallel degree and whether experts are spread: the planner's fastest
-    executable decode plan for the model on `target` over `world` ranks, within what the
-    caller fixed. Without a planner result (a model whose shape it cannot read), tensor
+    executable plan for `phase` (decode by default: a job serves both phases with one plan)
+    for the model on `target` over `world` ranks, within what the caller fixed. Without a
+    planner result (a model whose shape it cannot read, or that fits no plan), tensor
     parallel over every rank."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
     if tensor_parallel is not None:
         if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
@@ -260,12 +264,12 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
             raise ValueError(f"tensor_parallel={tensor_parallel} does not match the job's {world} ranks: tp x dp "
                              f"must equal the world size (tp one of {[d for d in range(1, world + 1) if world % d == 0]})")
     result = _planner_result(model, target)
-    if result is None or "decode" not in result.phases:
+    if result is None or phase not in result.phases:
         tp = tensor_parallel or world
         return Degrees(tp, bool(expert_parallel),
                        f"degrees: tp{tp} (the planner cannot read {type(model).__name__}'s shape; "
                        + ("as asked)" if tensor_parallel else "tensor parallel over every rank)"))
-    ph = result.phases["decode"]
+    ph = result.phases[phase]
     fits = [c for c in ph.candidates if c.runs and executable(c.plan)
             and (tensor_parallel is None or c.plan.tp == tensor_parallel)
             and (expert_parallel is None or (c.plan.ep > 1) == expert_parallel)]
@@ -275,17 +279,17 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
         tp = tensor_parallel or world
         return Degrees(tp, bool(expert_parallel),
                        f"degrees: tp{tp}{' with experts spread' if expert_parallel else ''} as asked; the planner "
-                       f"on {target.name} (decode, {ph.batch} x {ph.seq}) prices no executable plan like it; its "
+                       f"on {target.name} ({phase}, {ph.batch} x {ph.seq}) prices no executable plan like it; its "
                        f"choice: {top}")
     best = fits[0].plan
     asked = "within what was asked, " if tensor_parallel is not None or expert_parallel is not None else ""
-    why = (f"degrees: {best.label}: the planner's fastest plan that metainfer executes, {asked}for decode "
+    why = (f"degrees: {best.label}: the planner's fastest plan that metainfer executes, {asked}for {phase} "
            f"({ph.batch} x {ph.seq}) on {target.name}, predicted {fits[0].tokens_per_second:,.0f} tok/s")
     if best.label != top:
         why += f"; its overall choice {top} needs pipeline stages or all-to-all expert dispatch, not executed yet"
-    prefill = result.phases.get("prefill")
-    if prefill is not None and prefill.chosen is not None:
-        why += f"; for prefill it would pick {prefill.chosen.plan.label} (one plan serves both phases here)"
+    other = result.phases.get("prefill" if phase == "decode" else "decode")
+    if other is not None and other.chosen is not None:
+        why += f"; for {other.phase} it would pick {other.chosen.plan.label} (one plan serves both phases here)"
     return Degrees(best.tp, best.ep > 1, why)
 
 

@@ -192,7 +192,7 @@ class Report:
                 if s.schedule is not None:
                     md.append(f"Chrome trace of the predicted schedule: `graphs/{_trace_name(s.index)}`.")
             md += ["", "| pass | ran | matches | nodes before -> after | time (ms) | predicted before -> after "
-                   "(gap to floor) |", "|---|---|---|---|---|---|"]
+                   "(gap to floor; exposed communication) |", "|---|---|---|---|---|---|"]
             for r in s.records:
                 md.append(f"| `{r.name}` | {'yes' if r.ran else 'skipped: ' + (r.skipped_reason or '')} | "
                           f"{r.matches} | {r.nodes_before} -> {r.nodes_after} | {r.seconds * 1e3:.1f} | "
@@ -246,7 +246,10 @@ def _predicted(r: PassRecord, full: bool = False) -> str:
         return "-"
     if full:
         gap = r.gap_to_floor
-        return f"{_time(r.predicted_before_s)} -> {_time(r.predicted_after_s)}" + (f" ({gap:+.0%})" if gap is not None else "")
+        out = f"{_time(r.predicted_before_s)} -> {_time(r.predicted_after_s)}" + (f" ({gap:+.0%})" if gap is not None else "")
+        if r.exposed_after_s or r.exposed_before_s:
+            out += f"; exposed comm {_time(r.exposed_before_s or 0.0)} -> {_time(r.exposed_after_s or 0.0)}"
+        return out
     if r.predicted_after_s == r.predicted_before_s:
         return _time(r.predicted_after_s)
     return f"{_time(r.predicted_before_s)}->{_time(r.predicted_after_s)}"

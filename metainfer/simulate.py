@@ -59,6 +59,7 @@ class Schedule:
     floor_seconds: float
     intervals: list[Interval] = field(default_factory=list)
     priced_by_bytes: dict[str, int] = field(default_factory=dict)  # op name -> count the model does not know
+    comm_floor_seconds: float = 0.0  # communication on the best algorithm per collective
 
     @property
     def gap_to_floor(self) -> float:
@@ -128,7 +129,8 @@ class Timeline:
     def schedule(self) -> Schedule:
         step = max(self.compute_free, self.comm_free)
         return Schedule(self.target.name, step, self.compute_total, self.comm_total, self.exposed,
-                        max(self.compute_total, self.comm_floor), self.intervals, dict(self.priced_by_bytes))
+                        max(self.compute_total, self.comm_floor), self.intervals, dict(self.priced_by_bytes),
+                        self.comm_floor)
 
 
 def _is_c10d(node: torch.fx.Node) -> bool:

@@ -27,6 +27,7 @@ class PassContext:
     target: Target
     graph_index: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    later: tuple = ()  # the passes that will run after this one on this graph (see passes/lookahead.py)
 
 
 class Pass:

@@ -53,6 +53,8 @@ class PassRecord:
     predicted_before_s: float | None = None
     predicted_after_s: float | None = None
     floor_after_s: float | None = None
+    exposed_before_s: float | None = None  # communication the compute stream waits for
+    exposed_after_s: float | None = None
 
     @property
     def gap_to_floor(self) -> float | None:
@@ -159,7 +161,10 @@ class PassManager(CustomGraphPass):
         ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
         self.simulation_error = None
         schedule = self._predict(graph)
+        runnable = [p for p in self.passes
+                    if p.name not in self.disabled and p.skip_reason(self.target, self.explicit) is None]
         for p in self.passes:
+            ctx.later = tuple(runnable[runnable.index(p) + 1:]) if p in runnable else ()
             n0 = len(graph.nodes)
             rec = PassRecord(name=p.name, ran=False, nodes_before=n0, nodes_after=n0, graph=self.graph_index)
             reason = "disabled" if p.name in self.disabled else p.skip_reason(self.target, self.explicit)
@@ -189,10 +194,11 @@ class PassManager(CustomGraphPass):
             if result.modified and self.keep_graphs:
                 rec.graph_before, rec.graph_after = before, graph_text(graph)
             if schedule is not None:
-                rec.predicted_before_s = schedule.step_seconds
+                rec.predicted_before_s, rec.exposed_before_s = schedule.step_seconds, schedule.exposed_comm_seconds
                 if result.modified:
                     schedule = self._predict(graph) or schedule
                 rec.predicted_after_s, rec.floor_after_s = schedule.step_seconds, schedule.floor_seconds
+                rec.exposed_after_s = schedule.exposed_comm_seconds
             records.append(rec)
         self.schedule = schedule
         return records

@@ -1,0 +1,47 @@
+"""Deciding with the rest of the pipeline in view.
+
+Communication passes interact: a rewrite that pays on its own can take away what a later
+pass would have done better (sequence parallelism's reduce-scatters leave pipeline_collectives
+no all-reduce to chunk and give the overlap scheduler less to hide). A pass that changes the
+collectives can ask for the predicted step of a graph after the later communication passes
+of this pipeline have run on a copy of it, and compare its alternatives that way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import PassContext
+
+COMMUNICATION_PASSES = ("sequence_parallel", "two_batch_overlap", "pipeline_collectives", "select_collectives",
+                        "overlap_collectives")
+LOOKAHEAD_OPTION = "_lookahead"  # set while passes run on a copy: no exchanges between ranks, no nested look-ahead
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return g
+
+
+def in_lookahead(ctx: PassContext) -> bool:
+    return bool(ctx.options.get(LOOKAHEAD_OPTION))
+
+
+def predicted_after_later(graph: torch.fx.Graph, ctx: PassContext) -> float:
+    """The simulator's step for a copy of `graph` once this pipeline's later communication
+    passes have run on it."""
+    from metainfer.simulate import simulate
+
+    from .manager import PassManager
+
+    later = [p for p in ctx.later if p.name in COMMUNICATION_PASSES]
+    g = copy_graph(graph)
+    if later:
+        PassManager(later, ctx.target, explicit=True, options={**ctx.options, LOOKAHEAD_OPTION: True},
+                    keep_graphs=False, simulate=False)(g)
+    return simulate(g, ctx.target).step_seconds
+
+
+def wants_lookahead(ctx: PassContext) -> bool:
+    return not in_lookahead(ctx) and any(p.name in COMMUNICATION_PASSES for p in ctx.later)

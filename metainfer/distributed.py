@@ -65,9 +65,10 @@ def start(target, *, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return applied
 
 
-def emulated(target, world: int) -> _targets.Target:
-    """`target` scaled onto `world` CPU ranks: the same number of islands where `world`
-    divides evenly over them (else one island), rates and links unchanged."""
+def emulated(target, world: int, device_kind: str = "cpu") -> _targets.Target:
+    """`target` scaled onto `world` ranks (CPU ranks under gloo by default): the same number
+    of islands where `world` divides evenly over them (else one island), rates and links
+    unchanged."""
     t = _targets.get(target)
     if world > t.num_devices:
         raise ValueError(f"{world} ranks but target {t.name!r} has {t.num_devices} devices")
@@ -78,10 +79,11 @@ def emulated(target, world: int) -> _targets.Target:
     islands = tuple(tuple(range(i * k, (i + 1) * k)) for i in range(m))
     topo = dataclasses.replace(t.topology, islands=islands,
                                inter_island=t.topology.inter_island if m > 1 else None)
-    dev = dataclasses.replace(t.device, kind="cpu")
+    dev = dataclasses.replace(t.device, kind=device_kind)
+    ranks = f"{world} CPU ranks" if device_kind == "cpu" else f"{world} {device_kind} ranks"
     return dataclasses.replace(t, name=f"{t.name}@{m}x{k}", num_devices=world, device=dev, topology=topo,
-                               description=f"{t.description}, emulated on {world} CPU ranks "
-                                           f"({m} island(s) of {k}) with gloo")
+                               description=f"{t.description}, emulated on {ranks} ({m} island(s) of {k})"
+                                           + (" with gloo" if device_kind == "cpu" else ""))
 
 
 # ---- tensor-parallel plans ----------------------------------------------------------------
@@ -186,7 +188,7 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on
     if w > t.num_devices:
         raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices")
     if emulate:
-        t = emulated(t, w)
+        t = emulated(t, w, "cuda" if dist.get_backend() == "nccl" else "cpu")
     elif w < t.num_devices:
         raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices; run one rank "
                          "per device, or emulate=True to scale the target's topology onto the job's ranks")
@@ -270,7 +272,12 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
                        f"degrees: tp{tp} (the planner cannot read {type(model).__name__}'s shape; "
                        + ("as asked)" if tensor_parallel else "tensor parallel over every rank)"))
     ph = result.phases[phase]
+    # a models/ MoE layer keeps its routed experts whole under its TP plan (they are spread by
+    # expert parallelism instead), while the planner prices ep = 1 as experts split like the
+    # MLP: with tp > 1 only its expert-parallel plans are what would run
+    whole_experts = any(callable(getattr(m, "shard_experts", None)) for m in getattr(model, "modules", list)())
     fits = [c for c in ph.candidates if c.runs and executable(c.plan)
+            and not (whole_experts and c.plan.tp > 1 and c.plan.ep == 1)
             and (tensor_parallel is None or c.plan.tp == tensor_parallel)
             and (expert_parallel is None or (c.plan.ep > 1) == expert_parallel)]
     fits.sort(key=lambda c: -c.tokens_per_second)

@@ -1,18 +1,26 @@
-"""pipeline_collectives: a row-parallel matmul feeding an all-reduce split along its tokens
-into k chunks, so that chunk i's all-reduce runs while chunk i+1 is computed.
+"""pipeline_collectives: a matmul and the collective beside it split along tokens into k
+chunks, so that chunk i's collective runs while chunk i+1 is computed.
 
-    wait(all_reduce(reshape(mm(a, w))))
-      -> reshape(cat([wait(all_reduce(mm(a[c0], w))), ..., wait(all_reduce(mm(a[ck], w)))]))
-         issued as mm_0, all_reduce_0, mm_1, all_reduce_1, ..., then the waits
+Three forms, as tensor parallelism emits them (with and without sequence parallelism):
+
+    row-parallel:      wait(all_reduce(mm(a, w)))
+      -> cat([wait(all_reduce(mm(a[c_i], w))) for each chunk c_i of a's rows])
+    row-parallel, SP:  wait(reduce_scatter(mm(a, w)))          # each rank keeps its T/n rows
+      -> cat([wait(reduce_scatter(mm(a_i, w)))]) where a_i holds, for every rank j, the i-th
+         sub-block of rank j's rows, so each rank's pieces are its own rows in order
+    column-parallel, SP:  mm(wait(all_gather(x)), w_c) for each consumer c (q, k, v; gate, up)
+      -> all_gather each chunk of x, multiply it as it arrives, and put the rows back in
+         rank-major order (reshape (k, n, r, N) -> (n, k, r, N))
 
 k is chosen per site by the cost model, from K_CHOICES: each chunk's GEMM is priced by the
 roofline (its weight is read again per chunk, which is why small decode GEMMs stay whole),
-each chunk's all-reduce on the best algorithm select_collectives may pick for the group, on
-the simulator's two-stream timeline, plus the copy that joins the chunks. k = 1 (no rewrite)
-where chunking does not pay, and the report says so with the figures. Rows of a matmul do
-not depend on each other, so the result equals the unchunked one up to the GEMM's rounding.
-Runs before select_collectives (each chunk's all-reduce is then selected on its own size)
-and before overlap_collectives (which keeps this order and may fill the gaps further).
+each chunk's collective on the best algorithm select_collectives may pick for the group, on
+the simulator's two-stream timeline, plus the copies that gather and join the chunks. k = 1
+(no rewrite) where chunking does not pay, and the report says so with the figures. Rows of a
+matmul do not depend on each other, so the result equals the unchunked one up to the GEMM's
+rounding. Runs before select_collectives (each chunk's all-reduce is then selected on its
+own size) and before overlap_collectives (which keeps this order and may fill the gaps
+further).
 """
 
 from __future__ import annotations
@@ -50,22 +58,46 @@ def _site(ar: Node) -> "tuple[Node, Node, Node | None, Node] | None":
     return x, a, view, waits[0]
 
 
-def predicted(rows: int, k_dim: int, n: int, dtype: torch.dtype, k: int, target, ranks, allowed) -> float:
-    """Predicted time of mm(rows x k_dim, k_dim x n) + all-reduce of the result, in k chunks."""
+def predicted(rows: int, k_dim: int, n: int, dtype: torch.dtype, k: int, target, ranks, allowed,
+              kind: str = "all_reduce") -> float:
+    """Predicted time of mm(rows x k_dim, k_dim x n) with its collective (`all_reduce` or
+    `reduce_scatter` after the matmul, `all_gather` of its input before it; several
+    consumers of one gather count as one matmul as wide as theirs together), in k chunks."""
     item = torch.empty((), dtype=dtype).element_size()
     key = cost._peak_key(dtype)
     tl = Timeline(target)
     sizes = _chunks(rows, k)
+
+    def gemm(r):
+        return cost.roofline(2.0 * r * k_dim * n, (r * k_dim + k_dim * n + r * n) * item, key, target).seconds
+
+    def comm(nbytes):
+        if kind == "all_reduce":
+            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
+            return min(options, key=lambda c: c.seconds)
+        return cost.collective_cost(kind, nbytes, target, ranks=ranks)
+
+    def copy(nbytes):
+        return cost.roofline(0.0, 2.0 * nbytes, key, target).seconds
+
+    if kind == "all_gather":  # the gathers go first, each chunk's matmuls as its rows arrive
+        arrived = [tl.communicate(c, c.seconds) for c in (comm(r * k_dim * item) for r in sizes)]
+        for r, ready in zip(sizes, arrived):
+            tl.wait(ready)
+            tl.compute("mm", gemm(r))
+        if k > 1:  # rows back in rank order
+            tl.compute("reorder", copy(rows * n * item))
+        return tl.schedule().step_seconds
+    if kind == "reduce_scatter" and k > 1:  # each chunk's rows picked from every rank's block
+        tl.compute("pick", copy(rows * k_dim * item))
     end = 0.0
     for r in sizes:
-        mm = cost.roofline(2.0 * r * k_dim * n, (r * k_dim + k_dim * n + r * n) * item, key, target)
-        ready = tl.compute("mm", mm.seconds)
-        options = [c for c in cost.candidates("all_reduce", r * n * item, target, ranks=ranks) if c.algorithm in allowed]
-        c = min(options, key=lambda c: c.seconds)
-        end = tl.communicate(c, c.seconds, max(ready, tl.compute_free))
+        ready = tl.compute("mm", gemm(r))
+        end = tl.communicate(comm(r * n * item), 0.0, max(ready, tl.compute_free))
     tl.wait(end)
     if k > 1:  # the copy that joins the chunks
-        tl.compute("cat", cost.roofline(0.0, 2.0 * rows * n * item, key, target).seconds)
+        out = rows * n * item / (len(ranks) if kind == "reduce_scatter" else 1)
+        tl.compute("cat", copy(out))
     return tl.schedule().step_seconds
 
 
@@ -74,9 +106,46 @@ def _chunks(rows: int, k: int) -> list[int]:
     return [min(c, rows - i * c) for i in range(k) if rows - i * c > 0]
 
 
+def _strip_views(x: Node) -> "tuple[Node, list[Node]]":
+    """The value under a chain of single-use views, and the views."""
+    views = []
+    while is_op(x, *VIEW_OPS) and len(x.users) == 1:
+        views.append(x)
+        x = x.args[0]
+    return x, views
+
+
+def _static(*nodes) -> bool:
+    return all(shape(n) is not None and all(isinstance(d, int) for d in shape(n)) for n in nodes)
+
+
+def _mm_feeding(coll: Node) -> "Node | None":
+    """The mm whose output (through single-use views) is `coll`'s input, used only there."""
+    x, _ = _strip_views(coll.args[0])
+    if is_op(x, aten.mm) and len(x.users) == 1 and _static(x.args[0], x.args[1]):
+        return x
+    return None
+
+
+def _consumers(wait: Node) -> "list[Node] | None":
+    """The matmuls that take the gathered rows (through views back to the same 2-D shape) as
+    their left operand, or None if anything else uses them."""
+    out, todo = [], [(wait, u) for u in wait.users]
+    while todo:
+        v, u = todo.pop()
+        if is_op(u, *VIEW_OPS):
+            todo.extend((u, x) for x in u.users)
+        elif is_op(u, aten.mm) and u.args[0] is v and u.args[1] is not v and shape(v) == shape(wait) \
+                and _static(u.args[1]):
+            out.append(u)
+        else:
+            return None
+    return out or None
+
+
 @register
 class PipelineCollectives(Pass):
-    """wait(all_reduce(mm(a, w))) -> k token chunks, chunk i's all-reduce overlapping chunk i+1's matmul"""
+    """collective beside a matmul (all-reduce / reduce-scatter after it, all-gather before it) -> k token chunks overlapping each other"""
 
     name = "pipeline_collectives"
 
@@ -90,42 +159,77 @@ class PipelineCollectives(Pass):
         forced = ctx.options.get("pipeline_chunks")
         if forced is not None and forced not in K_CHOICES:
             raise ValueError(f"pipeline_chunks must be one of {K_CHOICES}, got {forced!r}")
-        for ar in list(graph.nodes):
-            if ar.op != "call_function" or ar.target is not c10d.all_reduce.default:
+        kinds = {c10d.all_reduce.default: "all_reduce", c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                 c10d.all_gather_into_tensor.default: "all_gather"}
+        for node in list(graph.nodes):
+            kind = kinds.get(node.target) if node.op == "call_function" else None
+            if kind is None:
                 continue
-            site = _site(ar)
-            if site is None:
-                res.near_misses.append(f"{location(ar)}: all_reduce not pipelined: not a sum of one static-shape "
-                                       "mm with a single wait")
+            waits = list(node.users)
+            group = node.args[-1]
+            where = location(node)
+            if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default or \
+                    (kind != "all_gather" and node.args[1] != "sum"):
+                res.near_misses.append(f"{where}: {kind} not pipelined: not a sum with a single wait")
                 continue
-            mm, a, view, wait = site
+            wait = waits[0]
             try:
-                pg = dist.distributed_c10d._resolve_process_group(ar.args[2])
+                pg = dist.distributed_c10d._resolve_process_group(group)
             except Exception:
                 continue
             ranks = tuple(dist.get_process_group_ranks(pg))
-            if len(ranks) < 2 or max(ranks) >= target.num_devices:
+            n = len(ranks)
+            if n < 2 or max(ranks) >= target.num_devices:
                 continue
-            rows, k_dim = shape(a)
-            n = shape(mm)[1]
-            dtype = tensor_val(mm).dtype
-            allowed = allowed_algorithms(target, ranks)
-            times = {k: predicted(rows, k_dim, n, dtype, k, target, ranks, allowed) for k in K_CHOICES if k <= rows}
+            if kind == "all_gather":
+                users = _consumers(wait) if _static(node.args[0]) and len(shape(node.args[0])) == 2 else None
+                if users is None:
+                    res.near_misses.append(f"{where}: all_gather not pipelined: its rows feed more than matmuls")
+                    continue
+                rows, k_dim = shape(wait)
+                widths = [shape(u)[1] for u in users]
+                step = shape(node.args[0])[0]  # chunks of every rank's block
+                dtype = tensor_val(wait).dtype
+            else:
+                mm = _mm_feeding(node)
+                if mm is None:
+                    res.near_misses.append(f"{where}: {kind} not pipelined: its input is not one static-shape matmul's")
+                    continue
+                rows, k_dim = shape(mm.args[0])
+                widths = [shape(mm)[1]]
+                step = rows // n if kind == "reduce_scatter" else rows
+                dtype = tensor_val(mm).dtype
+            allowed = allowed_algorithms(target, ranks) if kind == "all_reduce" else set()
+            exact = kind != "all_reduce"  # the other two need equal chunks of each rank's block
+            options = [k for k in K_CHOICES if k <= step and (not exact or step % k == 0)]
+            times = {k: predicted(rows, k_dim, sum(widths), dtype, k, target, ranks, allowed, kind)
+                     for k in options}
             best = forced if forced is not None and forced in times else min(times, key=lambda k: (times[k], k))
             figures = ", ".join(f"k={k} {t * 1e6:.1f} us" for k, t in times.items())
-            where = f"{location(ar)}: mm {rows}x{k_dim}x{n} + all_reduce over {len(ranks)} ranks"
+            head = (f"{where}: {kind} over {n} ranks beside mm {rows}x{k_dim}x{'+'.join(map(str, widths))}")
             if best == 1 or not (forced or times[best] < times[1] * (1 - 1e-9)):
-                res.decisions.append(f"{where}: k=1 (kept whole), predicted {figures}")
+                res.decisions.append(f"{head}: k=1 (kept whole), predicted {figures}")
                 continue
-            _rewrite(graph, ar, mm, a, view, wait, best)
-            res.decisions.append(f"{where}: k={best} chunks of {_chunks(rows, best)[0]} rows, predicted {figures}"
+            if kind == "all_reduce":
+                _rewrite_all_reduce(graph, node, mm, mm.args[0], wait, best)
+            elif kind == "reduce_scatter":
+                _rewrite_reduce_scatter(graph, node, mm, wait, n, best)
+            else:
+                _rewrite_all_gather(graph, node, wait, users, n, best)
+            res.decisions.append(f"{head}: k={best} chunks, predicted {figures}"
                                  + (" (pipeline_chunks forced)" if forced else ""))
             res.matches += 1
             res.modified = True
         return res
 
 
-def _rewrite(graph, ar: Node, mm: Node, a: Node, view: "Node | None", wait: Node, k: int) -> None:
+def _erase_collective(graph, coll: Node, wait: Node) -> None:
+    """Collectives are side effects: dead-code elimination would keep them issuing."""
+    graph.erase_node(wait)
+    graph.erase_node(coll)
+
+
+def _rewrite_all_reduce(graph, ar: Node, mm: Node, a: Node, wait: Node, k: int) -> None:
     group = ar.args[2]
     handles, start = [], 0
     for r in _chunks(shape(a)[0], k):
@@ -135,8 +239,62 @@ def _rewrite(graph, ar: Node, mm: Node, a: Node, view: "Node | None", wait: Node
         start += r
     done = [insert_call(graph, ar, c10d.wait_tensor.default, (h,), meta_from=wait) for h in handles]
     out = insert_call(graph, ar, aten.cat.default, (done, 0), meta_from=mm)
-    if view is not None:
-        out = insert_call(graph, ar, view.target, (out, list(shape(view))), meta_from=view)
+    out = insert_call(graph, ar, aten.reshape.default, (out, list(shape(wait))), meta_from=wait)
     wait.replace_all_uses_with(out)
-    graph.erase_node(wait)
-    graph.erase_node(ar)
+    _erase_collective(graph, ar, wait)
+
+
+def _rewrite_reduce_scatter(graph, rs: Node, mm: Node, wait: Node, n: int, k: int) -> None:
+    a = mm.args[0]
+    rows, width = shape(a)
+    c = rows // (n * k)
+    blocks = insert_call(graph, rs, aten.reshape.default, (a, [n, k, c, width]), meta_from=mm)
+    handles = []
+    for i in range(k):  # chunk i: the i-th sub-block of every rank's rows
+        pick = insert_call(graph, rs, aten.select.int, (blocks, 1, i), meta_from=mm)
+        part = insert_call(graph, rs, aten.reshape.default, (pick, [n * c, width]), meta_from=mm)
+        y = insert_call(graph, rs, aten.mm.default, (part, mm.args[1]), meta_from=mm)
+        handles.append(insert_call(graph, rs, c10d.reduce_scatter_tensor.default, (y, "sum", n, rs.args[3]),
+                                   meta_from=rs))
+    done = [insert_call(graph, rs, c10d.wait_tensor.default, (h,), meta_from=wait) for h in handles]
+    out = insert_call(graph, rs, aten.cat.default, (done, 0), meta_from=wait)
+    wait.replace_all_uses_with(insert_call(graph, rs, aten.reshape.default, (out, list(shape(wait))), meta_from=wait))
+    _erase_collective(graph, rs, wait)
+
+
+def _rewrite_all_gather(graph, ag: Node, wait: Node, users: list[Node], n: int, k: int) -> None:
+    src = ag.args[0]
+    r, width = shape(src)
+    c = r // k
+    gathered = []
+    for i in range(k):
+        part = insert_call(graph, ag, aten.slice.Tensor, (src, 0, i * c, (i + 1) * c), meta_from=ag)
+        h = insert_call(graph, ag, c10d.all_gather_into_tensor.default, (part, n, ag.args[2]), meta_from=ag)
+        gathered.append(h)
+    done = [insert_call(graph, ag, c10d.wait_tensor.default, (h,), meta_from=wait) for h in gathered]
+    for mm in users:
+        w = mm.args[1]
+        parts = [insert_call(graph, mm, aten.mm.default, (d, w), meta_from=mm) for d in done]
+        out = insert_call(graph, mm, aten.stack.default, (parts, 0), meta_from=mm)  # (k, n*c, N)
+        width_out = shape(mm)[1]
+        out = insert_call(graph, mm, aten.reshape.default, (out, [k, n, c, width_out]), meta_from=mm)
+        out = insert_call(graph, mm, aten.permute.default, (out, [1, 0, 2, 3]), meta_from=mm)
+        out = insert_call(graph, mm, aten.reshape.default, (out, [n * k * c, width_out]), meta_from=mm)
+        mm.replace_all_uses_with(out)
+        graph.erase_node(mm)
+    # the gathered whole and its views are unused now
+    chain = [v for v in graph.nodes if v in _descendant_views(wait)]
+    for v in reversed(chain):
+        if not v.users:
+            graph.erase_node(v)
+    _erase_collective(graph, ag, wait)
+
+
+def _descendant_views(wait: Node) -> set[Node]:
+    out, todo = set(), list(wait.users)
+    while todo:
+        v = todo.pop()
+        if is_op(v, *VIEW_OPS) and v not in out:
+            out.add(v)
+            todo.extend(v.users)
+    return out

@@ -41,6 +41,21 @@ def test_hierarchical_all_reduce_on_pcie8_by_hand():
     assert c.bytes_inter / ring.bytes_inter == pytest.approx(4 / 7)  # 2M vs 2 x 14 x M/8
 
 
+def test_sub_groups_share_the_boundary_with_their_siblings():
+    """The hierarchical all-reduce's cross-island step, priced as its own collective (a ring
+    of one rank per island), costs what the hierarchical formula charges for it: the four
+    position groups cross the boundary at once. A group inside one island never crosses."""
+    t = targets.get("pcie8")
+    shard = 8 * MiB / 4
+    across = cost.collective_cost("all_reduce", shard, t, "ring", ranks=(0, 4))
+    assert across.seconds == pytest.approx(2 * (40e-6 + (shard / 2) / (10e9 / 4)))
+    whole = cost.collective_cost("all_reduce", 8 * MiB, t, "hierarchical")
+    inside = cost.collective_cost("reduce_scatter", 8 * MiB, t, ranks=(0, 1, 2, 3))
+    gather = cost.collective_cost("all_gather", 8 * MiB, t, ranks=(0, 1, 2, 3))
+    assert inside.seconds + across.seconds + gather.seconds == pytest.approx(whole.seconds)
+    assert inside.bytes_inter == 0 and inside.seconds == pytest.approx(3 * (40e-6 + 2 * MiB / 26e9))
+
+
 def test_one_shot_needs_p2p_and_wins_for_small_messages():
     t = targets.get("pcie8")
     small = {c.algorithm: c for c in cost.candidates("all_reduce", 4096, t)}

@@ -51,16 +51,22 @@ def tp_equivalence(rank, world, kind, kv_heads, passes=None):
     return (out - ref).abs().max().item(), rec, opt.report.target.name, opt.report.notes
 
 
-def sequence_parallel_run(rank, world, target, kind):
+def sequence_parallel_run(rank, world, target, kind, chunks=None):
+    """sequence_parallel (and with `chunks`, pipeline_collectives forced to that k on the
+    reduce-scatters and all-gathers it makes)."""
     model, ids, logits = _model(kind, 4)
     with torch.no_grad():
         ref = logits(model(ids))
+    passes = ["fuse_attention", "sequence_parallel"] + (["pipeline_collectives"] if chunks else []) + ["select_collectives"]
     opt = metainfer.optimize(model, target, example_inputs=(ids,), emulate=True, lowering="aot_eager",
-                             passes=["fuse_attention", "sequence_parallel", "select_collectives"],
-                             tensor_parallel=world, expert_parallel=False)
+                             passes=passes, tensor_parallel=world, expert_parallel=False,
+                             pass_options={"pipeline_chunks": chunks} if chunks else None)
     with torch.no_grad():
         out = logits(opt(ids))
     sp, sel = opt.report.record("sequence_parallel"), opt.report.record("select_collectives")
+    if chunks:
+        pipe = opt.report.record("pipeline_collectives")
+        return (out - ref).abs().max().item(), sp.matches, pipe.matches, pipe.decisions
     return (out - ref).abs().max().item(), sp.matches, sp.decisions, sp.near_misses, sel.matches
 
 
@@ -296,7 +302,8 @@ def test_pipelined_collectives_equal_the_unsharded_model():
     for diff, rec in results:
         assert diff < 1e-4, diff
         matches, lines = rec["pipeline_collectives"]
-        assert matches == 4 and all("k=4 chunks of 8 rows" in d for d in lines), lines
+        assert matches == 4 and all("all_reduce over 4 ranks beside mm 32x" in d and "k=4 chunks" in d
+                                    for d in lines), lines
         assert rec["select_collectives"][0] == 16, "each chunk's all-reduce is selected on its own"
         assert rec["overlap_collectives"][0] >= 1
     assert all(r[1] == results[0][1] for r in results), "every rank decides the same"
@@ -409,6 +416,22 @@ def test_sequence_parallel_fires_where_it_pays(tmp_path, kind):
         assert matches == 4, (decisions, near)  # both all-reduces of both layers
         assert "token-wise op(s)" in decisions[0] and "of 32 tokens" in decisions[0]
         assert selected == 0, "no all-reduce left for select_collectives"
+
+
+@pytest.mark.parametrize("kind", ["hf-llama", "models-deepseek"])
+def test_pipelined_reduce_scatter_and_all_gather_equal_the_unsharded_model(tmp_path, kind):
+    """Under sequence parallelism: each row-parallel matmul + reduce-scatter and each
+    all-gather + column-parallel matmuls in 2 chunks (forced: too small to pay here)."""
+    path = tmp_path / "slow.toml"
+    path.write_text(SLOW_MEMORY)
+    results = multirank.run(sequence_parallel_run, 4, args=(str(path), kind, 2), timeout_s=TIMEOUT_S)
+    for diff, sp, pipelined, decisions in results:
+        assert diff < 1e-4, diff
+        assert sp == 4
+        kinds = [d.split(": ")[1].split(" over")[0] for d in decisions if "k=2 chunks" in d]
+        assert kinds.count("reduce_scatter") == 4 and kinds.count("all_gather") >= 2, decisions
+        assert pipelined == len(kinds)
+    assert all(r[3] == results[0][3] for r in results)
 
 
 def test_sequence_parallel_declines_where_an_island_aware_all_reduce_is_cheaper():

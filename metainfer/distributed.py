@@ -379,18 +379,21 @@ def fake_job(world: int):
 
 # ---- collective order across ranks ---------------------------------------------------------
 
-def collective_order_mismatch(signature: list, groups: list[str]) -> str | None:
-    """Compare this rank's collective sequence (`signature`, the same form on every rank) with
-    every other member of each group the graph's collectives run on; None where they agree
-    or outside a job. Groups are visited in name order, the same on every rank, so no two
-    ranks wait on each other in a cycle. Every member learns of a mismatch."""
+def collective_order_mismatch(signature: list, groups: list[str], proposing: bool = True) -> str | None:
+    """Agree with every other member of each group the graph's collectives run on: None when
+    every member proposes to issue the same collective sequence (`signature`, the same form
+    on every rank), else why not (a member keeps its old order, or the sequences differ).
+    Every rank calls this for such a graph, proposing or not, so all of them exchange and
+    all of them learn the answer. Groups are visited in name order, the same on every rank,
+    so no two ranks wait on each other in a cycle. Outside a job: None."""
     if world_size() <= 1:
-        return None
+        return None if proposing else "not proposed"
     import hashlib
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     digest = hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
+    why = None
     for name in groups:
         try:
             pg = dist.distributed_c10d._resolve_process_group(name)
@@ -400,10 +403,15 @@ def collective_order_mismatch(signature: list, groups: list[str]) -> str | None:
             continue
         got: list = [None] * pg.size()
         with unset_fake_temporarily():  # passes run under the compiler's fake mode; this is a real exchange
-            dist.all_gather_object(got, (rank(), digest, len(signature)), group=pg)
+            dist.all_gather_object(got, (rank(), digest, proposing), group=pg)
+        members = dist.get_process_group_ranks(pg)
+        keep = [r for r, _, p in got if not p]
         differ = [r for r, d, _ in got if d != digest]
-        if differ:
-            members = dist.get_process_group_ranks(pg)
-            return (f"rank(s) {differ} of group {members} would issue a different sequence of collectives than "
-                    f"rank {rank()} ({len(signature)} here)")
-    return None
+        if why is None and keep:
+            why = f"rank(s) {keep} of group {members} keep their order"
+        elif why is None and differ:
+            why = (f"rank(s) {differ} of group {members} would issue a different sequence of collectives than "
+                   f"rank {rank()} ({len(signature)} here)")
+    if why is None and not proposing:
+        why = "not proposed"
+    return why

@@ -20,6 +20,9 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import shutil
+import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -54,9 +57,14 @@ def _watchdog(store, rank: int, poll_s: float) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, collective_timeout_s: float,
-           backend: str, results) -> None:
+           backend: str, results, stacks: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("METAINFER_GLOO_IFNAME", "lo")  # loopback only
+    import faulthandler
+
     import torch.distributed as dist
+
+    stack_file = open(stacks, "w")  # noqa: SIM115 - open for the process's life: a hang's stacks land here
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -98,8 +106,9 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args,
-                                              collective_timeout_s or timeout_s, backend, results), daemon=True)
+    stacks = tempfile.mkdtemp(prefix="metainfer-ranks-")
+    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args, collective_timeout_s or timeout_s,
+                                              backend, results, os.path.join(stacks, f"rank{r}.txt")), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -119,7 +128,8 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
             if time.monotonic() > deadline:
                 running = [r for r, p in enumerate(procs) if p.is_alive() and r not in out]
                 raise RankFailure(f"timed out after {timeout_s:g} s; rank(s) {running} still running "
-                                  f"({len(out)} of {world_size} finished)", rank=running[0] if running else None)
+                                  f"({len(out)} of {world_size} finished){_stacks(procs, running, stacks)}",
+                                  rank=running[0] if running else None)
             time.sleep(0.05)
         ok = True
         return [out[r] for r in range(world_size)]
@@ -131,7 +141,31 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
                 p.join(timeout=5)
         results.close()
         results.join_thread()
+        shutil.rmtree(stacks, ignore_errors=True)
         del store
+
+
+def _stacks(procs, running: list[int], folder: str) -> str:
+    """Where the hung ranks are: each one's Python stacks (faulthandler, on SIGUSR1), the
+    innermost frames of its main thread."""
+    for r in running:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    out = []
+    for r in running:
+        try:
+            with open(os.path.join(folder, f"rank{r}.txt")) as f:
+                text = f.read()
+        except OSError:
+            continue
+        main = text.split("\n\n")[-1] if "Current thread" not in text else text[text.index("Current thread"):]
+        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File")][:8]
+        if frames:
+            out.append(f"rank {r} at: " + " <- ".join(frames))
+    return ("\n" + "\n".join(out)) if out else ""
 
 
 def _drain(results, out: dict, errors: dict) -> None:
@@ -175,8 +209,6 @@ class SentBytes:
     which is how a connection's peer is named; that exchange is not counted."""
 
     def __enter__(self) -> "SentBytes":
-        import shutil
-
         if shutil.which("ss") is None:
             raise RuntimeError("SentBytes needs the `ss` tool (iproute2)")
         self._before = _socket_bytes()

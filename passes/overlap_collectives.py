@@ -250,27 +250,25 @@ class OverlapCollectives(Pass):
         t0, t1 = before.tl.schedule(), after.tl.schedule()
         figures = (f"predicted step {t0.step_seconds * 1e6:.0f} -> {t1.step_seconds * 1e6:.0f} us, exposed "
                    f"communication {t0.exposed_comm_seconds * 1e6:.0f} -> {t1.exposed_comm_seconds * 1e6:.0f} us")
-        if new == old:
-            res.near_misses.append(f"overlap_collectives: the graph's order is already the scheduler's ({figures})")
-            return res
-        if not t1.step_seconds < t0.step_seconds * (1 - 1e-9):
-            res.near_misses.append(f"overlap_collectives: no independent compute to hide communication behind; "
-                                   f"order kept ({figures})")
-            return res
         peak0, peak1 = peak_live_bytes(old), peak_live_bytes(new)
         bound = memory_bound(ctx, peak0)
         memory = f"peak live activations {peak0 / 2**20:.2f} -> {peak1 / 2**20:.2f} MiB (bound {bound / 2**20:.2f} MiB)"
-        if peak1 > bound:
-            res.near_misses.append(f"overlap_collectives refused: the new schedule exceeds the memory bound: {memory}; "
-                                   f"order kept ({figures})")
-            return res
+        why = None
+        if new == old:
+            why = f"overlap_collectives: the graph's order is already the scheduler's ({figures})"
+        elif not t1.step_seconds < t0.step_seconds * (1 - 1e-9):
+            why = f"overlap_collectives: no independent compute to hide communication behind; order kept ({figures})"
+        elif peak1 > bound:
+            why = f"overlap_collectives refused: the new schedule exceeds the memory bound: {memory}; order kept ({figures})"
         from .lookahead import in_lookahead
 
-        mismatch = None if in_lookahead(ctx) else distributed.collective_order_mismatch(
-            collective_signature(new), group_names(new))
-        if mismatch:
-            res.near_misses.append(f"overlap_collectives refused: collective order differs between ranks ({mismatch}); "
-                                   "order kept")
+        if not in_lookahead(ctx):  # every rank takes part, so every rank takes the same decision
+            disagree = distributed.collective_order_mismatch(collective_signature(new if why is None else old),
+                                                             group_names(old), proposing=why is None)
+            if why is None and disagree:
+                why = f"overlap_collectives refused: collective order differs between ranks ({disagree}); order kept"
+        if why is not None:
+            res.near_misses.append(why)
             return res
         for prev, n in zip(new, new[1:]):
             prev.append(n)

@@ -32,8 +32,6 @@ from .base import Pass, PassContext, PassResult, register
 from .matching import Node, insert_call, location, shape, tensor_val
 
 aten = torch.ops.aten
-prims = torch.ops.prims
-c10d = torch.ops._c10d_functional
 
 
 class Unsplittable(Exception):

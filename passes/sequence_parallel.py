@@ -223,8 +223,9 @@ def _pays(roots, region, boundary, target, pg, tokens, n) -> tuple[bool, str]:
     ranks = tuple(dist.get_process_group_ranks(pg))
     if max(ranks) >= target.num_devices:
         return False, f"the group's ranks {ranks} are not devices of the target"
-    # hierarchical runs on the island sub-groups of the whole job (as select_collectives has it)
-    allowed = ("ring", "hierarchical") if len(ranks) == dist.get_world_size() else ("ring",)
+    from .select_collectives import allowed_algorithms
+
+    allowed = allowed_algorithms(target, ranks)  # what select_collectives could pick instead
 
     def nbytes(v):
         t = tensor_val(v)

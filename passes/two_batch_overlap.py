@@ -428,9 +428,9 @@ class TwoBatchOverlap(Pass):
             res.near_misses.append(f"two_batch_overlap: batch of {trace.batch}: splitting a token range instead of "
                                    "sequences is not implemented (an even batch is split)")
             return res
-        trial = torch.fx.Graph()
-        out = trial.graph_copy(graph, {})
-        trial.output(out)
+        from .lookahead import copy_graph
+
+        trial = copy_graph(graph)
         try:
             dup = split(trial, BatchTrace(trial))
             trial.eliminate_dead_code()

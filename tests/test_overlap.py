@@ -153,6 +153,7 @@ class _one_rank_job:
 # ---- two_batch_overlap ---------------------------------------------------------------------
 
 from metainfer.passes import two_batch_overlap as tbo  # noqa: E402
+from metainfer.passes.lookahead import copy_graph  # noqa: E402
 from metainfer.testing import capture_graph, tiny_hf_model  # noqa: E402
 
 KERNEL_PASSES = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu")
@@ -180,7 +181,7 @@ def test_batch_split_equals_the_whole_batch(kind, batch, seq):
     graph did, on the kernels' graphs of every model: no collective needed to check that."""
     gm, args = _captured(kind, batch, seq)
     split = torch.fx.GraphModule(gm, torch.fx.Graph())
-    split.graph = _copy(gm.graph)
+    split.graph = copy_graph(gm.graph)
     trace = tbo.BatchTrace(split.graph)
     assert trace.batch == batch
     duplicated = tbo.split(split.graph, trace)
@@ -235,9 +236,3 @@ def test_two_batch_overlap_pays_for_prefill_not_decode():
     assert prefill.matches == 1 and "split into 2 micro-batches of 2" in prefill.decisions[0], prefill.near_misses
     assert decode.matches == 0 and any("does not pay" in m for m in decode.near_misses), decode.near_misses
     assert single.matches == 0 and any("batch of 1" in m for m in single.near_misses), single.near_misses
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    g = torch.fx.Graph()
-    g.output(g.graph_copy(graph, {}))
-    return g

@@ -377,20 +377,50 @@ def fake_job(world: int):
         select_collectives._AGREED.clear()
 
 
-# ---- collective order across ranks ---------------------------------------------------------
+# ---- agreement across ranks -------------------------------------------------------------
+
+_EXCHANGES: dict[str, int] = {}
+
+
+def exchange(obj, group_name: str) -> list:
+    """`obj` from every member of the process group `group_name`, in member order, passed
+    through the job's rendezvous store rather than as a collective. Passes agree this way
+    because they run inside the compiler with the Python dispatcher on: a collective issued
+    there holds the GIL while it waits for the backend's work queue, whose worker thread may
+    need the GIL to free the previous collective's tensors, and the rank deadlocks (seen with
+    gloo). Every member must call this the same number of times per group, like a collective.
+    Raises TimeoutError naming the absent ranks after the store's timeout."""
+    import pickle
+
+    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    members = dist.get_process_group_ranks(pg)
+    n = _EXCHANGES.get(group_name, 0)
+    _EXCHANGES[group_name] = n + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"metainfer/exchange/{group_name}/{n}/"
+    store.set(prefix + str(rank()), pickle.dumps(obj))
+    keys = [prefix + str(r) for r in members]
+    try:
+        store.wait(keys, store.timeout)
+    except Exception as e:  # the store's own error names no rank: say who did not come
+        absent = [r for r, k in zip(members, keys) if not store.check([k])]
+        raise TimeoutError(
+            f"metainfer: rank {rank()} waited {store.timeout.total_seconds():g} s for rank(s) {absent} of group "
+            f"{members} to agree in exchange {n} of that group; they did not take part (a rank that served "
+            f"this graph from a compile cache another rank lacks skips the passes: `metainfer cache clear`)"
+        ) from e
+    return [pickle.loads(store.get(k)) for k in keys]
+
 
 def collective_order_mismatch(signature: list, groups: list[str], proposing: bool = True) -> str | None:
     """Agree with every other member of each group the graph's collectives run on: None when
     every member proposes to issue the same collective sequence (`signature`, the same form
     on every rank), else why not (a member keeps its old order, or the sequences differ).
     Every rank calls this for such a graph, proposing or not, so all of them exchange and
-    all of them learn the answer. Groups are visited in name order, the same on every rank,
-    so no two ranks wait on each other in a cycle. Outside a job: None."""
+    all of them learn the answer. Outside a job, or on the fake process group: None."""
     if world_size() <= 1:
         return None if proposing else "not proposed"
     import hashlib
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     digest = hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
     why = None
@@ -401,9 +431,7 @@ def collective_order_mismatch(signature: list, groups: list[str], proposing: boo
             continue
         if dist.get_backend(pg) == "fake":  # one process standing for all ranks: nothing to compare
             continue
-        got: list = [None] * pg.size()
-        with unset_fake_temporarily():  # passes run under the compiler's fake mode; this is a real exchange
-            dist.all_gather_object(got, (rank(), digest, proposing), group=pg)
+        got = exchange((rank(), digest, proposing), name)
         members = dist.get_process_group_ranks(pg)
         keep = [r for r, _, p in got if not p]
         differ = [r for r, d, _ in got if d != digest]
@@ -415,3 +443,12 @@ def collective_order_mismatch(signature: list, groups: list[str], proposing: boo
     if why is None and not proposing:
         why = "not proposed"
     return why
+
+
+def job_identity() -> dict:
+    """This process's place in the job, for keys of what it compiles: ranks of one job may
+    compile the same graph to different decisions (or take part in an agreement), so a rank
+    must not be served another rank's compiled artifact. Empty outside a job."""
+    if world_size() <= 1:
+        return {}
+    return {"rank": rank(), "world": world_size()}

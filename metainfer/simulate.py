@@ -146,15 +146,22 @@ def _collective_bytes(node: torch.fx.Node, kind: str) -> float:
     return cost.tensor_bytes(val)
 
 
+def group_name(node: torch.fx.Node) -> "str | None":
+    """The process group a functional collective names (its last positional argument or
+    `group_name`), or None."""
+    group = node.args[-1] if node.args and isinstance(node.args[-1], str) else node.kwargs.get("group_name")
+    return group if isinstance(group, str) else None
+
+
 def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
     """The devices of a functional collective's group: the ranks of the process group it
     names (when torch.distributed knows it), else its group_size argument (the first n
     devices), else the whole target."""
     _, name = cost.op_name(node)
-    group = node.args[-1] if node.args and isinstance(node.args[-1], str) else node.kwargs.get("group_name")
+    group = group_name(node)
     import torch.distributed as dist
 
-    if isinstance(group, str) and dist.is_available() and dist.is_initialized():
+    if group is not None and dist.is_available() and dist.is_initialized():
         try:
             ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group))
             if all(r < target.num_devices for r in ranks):

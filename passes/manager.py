@@ -147,7 +147,10 @@ class PassManager(CustomGraphPass):
         self.schedule = None  # the simulator's Schedule of the graph after the last pass
         self.simulation_error: str | None = None
         self.invocations = 0
-        self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit})
+        from metainfer import distributed
+
+        job = distributed.job_identity()  # each rank compiles (and agrees) for itself
+        self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit, **job})
 
     def uuid(self) -> str:
         return self._uuid

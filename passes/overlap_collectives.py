@@ -28,7 +28,7 @@ import math
 import torch
 
 from metainfer import cost
-from metainfer.simulate import _COLLECTIVES, GraphTimeline, _is_c10d
+from metainfer.simulate import _COLLECTIVES, GraphTimeline, _is_c10d, group_name
 
 from .base import Pass, PassContext, PassResult, register
 from .matching import Node, location, tensor_val
@@ -199,16 +199,11 @@ def _compute_between(order: list[Node], coll: Node, wait: Node, target) -> int:
                if n.op == "call_function" and not _is_c10d(n) and not _aliases(n) and cost.op_cost(n, target).seconds > 0)
 
 
-def _group(n: Node) -> "str | None":
-    g = n.args[-1] if n.args and isinstance(n.args[-1], str) else n.kwargs.get("group_name")
-    return g if isinstance(g, str) else None
-
-
 def _group_size(n: Node) -> int:
     import torch.distributed as dist
 
     try:
-        return dist.distributed_c10d._resolve_process_group(_group(n)).size()
+        return dist.distributed_c10d._resolve_process_group(group_name(n)).size()
     except Exception:  # no job (a graph analysed alone): the size argument where the op has one
         sizes = [a for a in n.args[1:] if isinstance(a, int)]
         return sizes[0] if sizes else 0
@@ -227,7 +222,7 @@ def collective_signature(order: list[Node]) -> list[tuple]:
 
 
 def group_names(order: list[Node]) -> list[str]:
-    return sorted({g for n in order if is_collective(n) and (g := _group(n)) is not None})
+    return sorted({g for n in order if is_collective(n) and (g := group_name(n)) is not None})
 
 
 @register

@@ -61,22 +61,18 @@ _AGREED: dict[str, bool] = {}
 
 def _symmetric_memory_available(target) -> bool:
     """One-shot / two-shot need P2P kernels: CUDA symmetric memory, on a target with P2P, on
-    every rank. The ranks agree (an all-reduce of the local answer, once per job) so that no
+    every rank. The ranks agree (an exchange through the job's store, once per job) so that no
     rank picks them while another does not."""
     if target.device.kind != "cuda" or not target.topology.p2p:  # the same answer on every rank
         return False
+    from metainfer import distributed
     from metainfer.lowering import symm_mem
 
     world = dist.group.WORLD.group_name if dist.is_available() and dist.is_initialized() else ""
     if world not in _AGREED:
         local = symm_mem.available(target.device.kind)
-        if world:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():  # passes run under the compiler's fake mode; this is a real exchange
-                flag = torch.tensor([1 if local else 0], device="cuda" if torch.cuda.is_available() else "cpu")
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                local = bool(flag.item())
+        if world and dist.get_backend() != "fake":
+            local = all(distributed.exchange(local, world))
         _AGREED[world] = local
     return _AGREED[world]
 

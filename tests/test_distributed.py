@@ -133,6 +133,46 @@ def two_batch_run(rank, world, kind, expert_parallel):
     return (out - ref).abs().max().item(), tb.matches, tb.decisions, ov.matches
 
 
+def exchange_run(rank, world, absent):
+    """Each rank offers a value through distributed.exchange on the whole job and on a
+    sub-group; `absent` skips the second round, so the others must time out naming it.
+    Also the pass pipeline's key, which must differ per rank."""
+    from datetime import timedelta
+
+    from metainfer.passes import PassManager, resolve
+
+    dist.distributed_c10d._get_default_store().set_timeout(timedelta(seconds=3))
+    world_group = dist.group.WORLD.group_name
+    pair = dist.new_group([0, 1])
+    first = distributed.exchange({"rank": rank, "square": rank * rank}, world_group)
+    second = None
+    if rank in (0, 1):
+        second = distributed.exchange(rank + 10, pair.group_name)
+    timeout = None
+    if rank != absent:
+        try:
+            distributed.exchange("again", world_group)
+        except TimeoutError as e:
+            timeout = str(e)
+    target = targets.get("pcie8")
+    uuid = PassManager(resolve(target, None, ())[0], target).uuid()
+    return first, second, timeout, uuid
+
+
+def test_exchange_passes_objects_through_the_store_and_names_absent_ranks():
+    """The order agreement's transport: every member's object in member order, also on a
+    sub-group; a member that never comes is named in a TimeoutError, not a hang."""
+    results = multirank.run(exchange_run, 3, args=(2,), timeout_s=TIMEOUT_S)
+    for r, (first, second, timeout, _) in enumerate(results):
+        assert first == [{"rank": q, "square": q * q} for q in range(3)]
+        assert second == ([10, 11] if r < 2 else None)
+        if r == 2:
+            assert timeout is None
+        else:
+            assert "rank(s) [2] of group [0, 1, 2]" in timeout, timeout
+    assert len({uuid for *_, uuid in results}) == 3, "ranks must not share compiled artifacts"
+
+
 def order_mismatch_run(rank, world):
     """Rank 1 pretends its schedule issues the collectives in another order: every rank must
     refuse the re-ordering (and still compute the right thing)."""

@@ -211,6 +211,9 @@ _DATA_MOVEMENT = {"clone", "copy", "copy_", "_to_copy", "contiguous", "cat", "st
                   "repeat", "repeat_interleave", "flip", "roll", "tril", "triu", "fill", "fill_", "nonzero",
                   "_local_scalar_dense", "bucketize", "searchsorted", "histc", "bincount", "clamp",
                   "clamp_min", "clamp_max"}
+# constant fills (no tensor input): Inductor computes the value inside the kernel that reads
+# it, so they launch nothing and move nothing of their own
+_CONSTANT_FILLS = {"full", "zeros", "ones", "scalar_tensor", "arange", "iota", "empty", "empty_strided"}
 # metainfer's pointwise-like fused ops: one FLOP-ish per output element, bytes dominate
 _FUSED_POINTWISE = {"rmsnorm", "add_rmsnorm", "rope", "swiglu"}
 
@@ -316,13 +319,15 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
     priced by their FLOPs; pointwise ops (ATen's `pointwise` tag) at one FLOP per output
     element, reductions at one per input element, data movement by its bytes. Any other op is
     priced by its bytes with `priced_by_bytes=True`, so reports can list what the model does
-    not know. Views are free."""
+    not know. Views and constant fills (Inductor inlines them into their readers) are free."""
     if node.op != "call_function" or node.target is operator.getitem:
         return OpCost(0.0, 0.0, 0.0, "free")
     ns, name = op_name(node)
     if name in _VIEWS or ns == "python":
         return OpCost(0.0, 0.0, 0.0, "free")
     ins = _tensors([_val(x) for x in node.all_input_nodes])
+    if name in _CONSTANT_FILLS and not ins:
+        return OpCost(0.0, 0.0, 0.0, "free")
     out = _tensors([node.meta.get("val")])
     moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in out)
     flops, key = _flops(name, ns, list(node.args), out)

@@ -146,6 +146,20 @@ def test_matmul_pointwise_reduction_and_views_by_hand():
     assert cost.op_cost(perm, t).seconds == 0
 
 
+def test_constant_fills_are_free():
+    """full/arange with no tensor input (full_like decomposes to one): Inductor computes them
+    inside the kernel that reads them, so they cost nothing of their own; the add reading
+    them is priced."""
+    t = targets.get("pcie8")
+    gm, _ = capture_graph(lambda x: x + torch.full((64, 64), 2.0) + torch.arange(64.0) + torch.full_like(x, 3.0),
+                          torch.randn(64, 64))
+    fills = _nodes(gm, "aten.full.default") + _nodes(gm, "aten.arange")
+    assert len(fills) >= 2
+    for n in fills:
+        assert cost.op_cost(n, t).seconds == 0 and cost.op_cost(n, t).bound == "free", n
+    assert all(cost.op_cost(n, t).seconds > 0 for n in _nodes(gm, "aten.add"))
+
+
 def test_fused_attention_is_priced_by_its_flops():
     B, H, S, D = 1, 8, 1024, 128
     q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))

@@ -417,7 +417,10 @@ def collective_order_mismatch(signature: list, groups: list[str], proposing: boo
     every member proposes to issue the same collective sequence (`signature`, the same form
     on every rank), else why not (a member keeps its old order, or the sequences differ).
     Every rank calls this for such a graph, proposing or not, so all of them exchange and
-    all of them learn the answer. Outside a job, or on the fake process group: None."""
+    all of them learn the answer. `groups` come in name order, the same on every rank: a rank
+    waits in one group's exchange before it offers in the next, so ranks taking groups in
+    different orders could wait on each other in a cycle. Outside a job, or on the fake
+    process group: None."""
     if world_size() <= 1:
         return None if proposing else "not proposed"
     import hashlib

@@ -41,23 +41,6 @@ aten = torch.ops.aten
 K_CHOICES = (1, 2, 4, 8)
 
 
-def _site(ar: Node) -> "tuple[Node, Node, Node | None, Node] | None":
-    """(mm, its row input a, the reshape between or None, the wait) of `ar`, or None."""
-    waits = list(ar.users)
-    if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default or ar.args[1] != "sum":
-        return None
-    x, view = ar.args[0], None
-    if is_op(x, *VIEW_OPS) and len(x.users) == 1:
-        x, view = x.args[0], x
-    if not is_op(x, aten.mm) or len(x.users) != 1:
-        return None
-    a = x.args[0]
-    if shape(a) is None or not all(isinstance(d, int) for d in shape(a)) or not all(
-            isinstance(d, int) for d in shape(x.args[1])):
-        return None
-    return x, a, view, waits[0]
-
-
 def predicted(rows: int, k_dim: int, n: int, dtype: torch.dtype, k: int, target, ranks, allowed,
               kind: str = "all_reduce") -> float:
     """Predicted time of mm(rows x k_dim, k_dim x n) with its collective (`all_reduce` or
@@ -106,13 +89,11 @@ def _chunks(rows: int, k: int) -> list[int]:
     return [min(c, rows - i * c) for i in range(k) if rows - i * c > 0]
 
 
-def _strip_views(x: Node) -> "tuple[Node, list[Node]]":
-    """The value under a chain of single-use views, and the views."""
-    views = []
+def _strip_views(x: Node) -> Node:
+    """The value under a chain of single-use views."""
     while is_op(x, *VIEW_OPS) and len(x.users) == 1:
-        views.append(x)
         x = x.args[0]
-    return x, views
+    return x
 
 
 def _static(*nodes) -> bool:
@@ -121,7 +102,7 @@ def _static(*nodes) -> bool:
 
 def _mm_feeding(coll: Node) -> "Node | None":
     """The mm whose output (through single-use views) is `coll`'s input, used only there."""
-    x, _ = _strip_views(coll.args[0])
+    x = _strip_views(coll.args[0])
     if is_op(x, aten.mm) and len(x.users) == 1 and _static(x.args[0], x.args[1]):
         return x
     return None
@@ -283,7 +264,8 @@ def _rewrite_all_gather(graph, ag: Node, wait: Node, users: list[Node], n: int, 
         mm.replace_all_uses_with(out)
         graph.erase_node(mm)
     # the gathered whole and its views are unused now
-    chain = [v for v in graph.nodes if v in _descendant_views(wait)]
+    views = _descendant_views(wait)
+    chain = [v for v in graph.nodes if v in views]  # in graph order
     for v in reversed(chain):
         if not v.users:
             graph.erase_node(v)

@@ -1,7 +1,21 @@
+import importlib.metadata
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` puts the checkout's root on sys.path, where the kernels/ folder (installed
+# as metainfer.kernels) would shadow PyPI's `kernels`, which transformers >= 5.25 imports.
+# With metainfer installed the root is not needed (spawned ranks inherit this sys.path); a
+# source-tree run (PYTHONPATH=., no install) keeps it.
+_ROOT = Path(__file__).resolve().parents[1]
+try:
+    importlib.metadata.distribution("metainfer")
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+except importlib.metadata.PackageNotFoundError:
+    pass
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Keep metainfer's record cache inside the test run (Inductor's own cache is left alone:
 # reusing it between runs only makes them faster, and cache hits are a case under test).

@@ -5,9 +5,9 @@ Kernels are plain functions here; `metainfer.lowering.ops` exposes them as
 path runs.
 
 Triton's interpreter (which runs kernels on CPU tensors) is chosen when a kernel is
-*decorated*, so the switch is made here, before any kernel module is imported: on a
-machine without CUDA, or with METAINFER_TRITON_INTERPRET=1, kernels are built for the
-interpreter. Whether a CPU tensor then goes through the interpreted kernel or through
+*decorated*, so the switch is made when the metainfer package is imported, before anything
+can import triton: on a machine without CUDA, or with METAINFER_TRITON_INTERPRET=1, kernels
+are built for the interpreter. Whether a CPU tensor then goes through the interpreted kernel or through
 the kernel's CPU path is decided at call time by `interpret_enabled()`.
 """
 
@@ -18,13 +18,12 @@ import os
 
 import torch
 
-if os.environ.get("METAINFER_TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-    # Triton reads this when @triton.jit runs; it must hold for every kernel below.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# Triton reads TRITON_INTERPRET when @triton.jit runs, for its own library functions too;
+# metainfer/__init__.py set it (no CUDA, or METAINFER_TRITON_INTERPRET=1) before anything
+# could import triton.language.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from . import attention, fp8_gemm, mla_decode, moe, rmsnorm, rope, sparse_attention, swiglu  # noqa: E402  (after the switch above)
+from . import attention, fp8_gemm, mla_decode, moe, rmsnorm, rope, sparse_attention, swiglu, token_ids  # noqa: E402  (after the switch above)
 from ._common import KernelInputError  # noqa: E402
 
 _override: list[bool] = []
@@ -59,5 +58,6 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpret_enabled()
 
 
-__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "rmsnorm", "rope", "sparse_attention", "swiglu", "KernelInputError", "INTERPRETED",
+__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "rmsnorm", "rope", "sparse_attention", "swiglu", "token_ids",
+           "KernelInputError", "INTERPRETED",
            "interpret", "interpret_enabled", "use_triton"]

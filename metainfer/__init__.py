@@ -1,11 +1,12 @@
 """metainfer: a compiler-pass framework for LLM inference on long-tail accelerators.
 
-    opt = metainfer.optimize(model, target="pcie8", example_inputs=(ids,))
-    opt(ids); print(opt.report); opt.report.save("dump/")
+    opt = metainfer.optimize(model, target="pcie8", example_inputs=(input_ids,))
+    opt(input_ids); print(opt.report); opt.report.save("dump/")
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path as _Path
 
 # The design card fixes passes/, lowering/, kernels/ and models/ as top-level folders; an
@@ -17,14 +18,59 @@ if not (_here / "passes").is_dir() and (_here.parent / "passes" / "__init__.py")
 
 __version__ = "0.1.0"
 
-from . import targets  # noqa: E402
-from . import cache  # noqa: E402
-from .verify import BisectResult, EquivalenceError  # noqa: E402
-from .api import OptimizedModel, bisect, optimize  # noqa: E402
-from .analyze import analyze  # noqa: E402
-from .planner import PlanError, plan  # noqa: E402
-from .report import Report  # noqa: E402
-from .targets import Target  # noqa: E402
+
+def _choose_triton_mode() -> None:
+    """Triton's interpreter (kernels on CPU tensors) must be chosen before anything imports
+    triton.language (torch._dynamo does), since Triton's own library functions are decorated
+    then: on a machine without CUDA, or with METAINFER_TRITON_INTERPRET=1. A CPU build of
+    torch says so in its version, without the second it takes to import it."""
+    import os
+
+    if os.environ.get("METAINFER_TRITON_INTERPRET") == "1":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    from importlib import metadata
+
+    try:
+        cpu_build = metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return
+    if cpu_build:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_choose_triton_mode()
+
+from . import targets  # noqa: E402  (plain Python: no torch)
+
+# Everything else imports torch (seconds): loaded on first use, so `metainfer --help` and
+# `metainfer targets` stay fast.
+_LAZY = {
+    "optimize": "api", "bisect": "api", "OptimizedModel": "api",
+    "analyze": "analyze", "plan": "planner", "PlanError": "planner",
+    "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "capture",
+    "Report": "report", "Target": "targets", "cache": None,
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'metainfer' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = importlib.import_module(f".{name if module is None else module}", __name__)
+    if module is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def last_report():
@@ -34,5 +80,5 @@ def last_report():
     return _last()
 
 
-__all__ = ["optimize", "analyze", "plan", "PlanError", "bisect", "cache", "EquivalenceError", "BisectResult", "OptimizedModel", "Report", "Target",
-           "targets", "last_report", "__version__"]
+__all__ = ["optimize", "analyze", "plan", "PlanError", "bisect", "cache", "EquivalenceError", "CaptureError",
+           "BisectResult", "OptimizedModel", "Report", "Target", "targets", "last_report", "__version__"]

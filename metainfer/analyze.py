@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from metainfer import targets as _targets
-from metainfer.capture import capturable
+from metainfer.capture import capturable, translate
 from metainfer.passes import PassManager, resolve
 from metainfer.report import GraphSection, Report
 
@@ -70,7 +70,10 @@ def _analyze(model, t, example_inputs, passes, disable, pass_options, job_notes:
     backend = _AnalysisBackend(report, chosen, disabled, explicit, pass_options)
     with torch.no_grad(), capturable(model) as notes, torch._dynamo.config.patch(
             recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
-        torch.compile(model.forward, backend=backend, dynamic=False)(*args, **kwargs)
+        try:
+            torch.compile(model.forward, backend=backend, dynamic=False)(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise translate(e, model, args, kwargs, report.target.name) from e
     report.notes.extend(n for n in notes if n not in report.notes)
     if not report.sections:
         raise RuntimeError("torch.compile did not hand any graph to metainfer.analyze")

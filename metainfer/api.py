@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from metainfer import capture
 from metainfer import targets as _targets
+from metainfer.inputs import ModelInputs, check_devices
 from metainfer.lowering.backend import LOWERINGS, MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
-from metainfer.capture import capturable
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
 
 
@@ -35,6 +36,8 @@ class OptimizedModel:
         self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
+        self._inputs = ModelInputs(model)
+        self._modules = list(model.modules())  # read on every call: is any in training mode?
 
     @property
     def report(self) -> Report:
@@ -45,7 +48,7 @@ class OptimizedModel:
         return self._backend.target
 
     def __call__(self, *args, **kwargs):
-        _check_devices(self.target, args, kwargs, what="input")
+        check_devices(self.target, args, kwargs, what="input")
         with self._installed(lambda: "forward"):
             return self.model(*args, **kwargs)
 
@@ -54,7 +57,10 @@ class OptimizedModel:
         (the report labels each graph with its phase)."""
         if not callable(getattr(type(self.model), "generate", None)):
             raise AttributeError(f"{type(self.model).__name__} has no generate() method")
-        _check_devices(self.target, args, kwargs, what="input")
+        check_devices(self.target, args, kwargs, what="input")
+        ids = self._inputs.token_ids(args, kwargs)
+        if ids is not None:  # the prompt, checked once before generate() builds anything around it
+            self._inputs.check_prompt(ids)
         if getattr(self.model, "generation_config", None) is not None:
             # Hugging Face would wrap the forward in its own torch.compile on GPUs
             kwargs.setdefault("disable_compile", True)
@@ -69,11 +75,16 @@ class OptimizedModel:
 
         @functools.wraps(self._forward)
         def forward(*args, **kwargs):
-            _check_shapes(self.model, args, kwargs)
+            self._refuse_training()
+            args, kwargs, finish = self._inputs.check(args, kwargs)
             self._backend.phase = phase()
             self._backend.call_starts()
-            with torch.no_grad(), capturable(self.model) as notes:
-                out = self._compiled(*args, **kwargs)
+            with torch.no_grad(), capture.capturable(self.model) as notes:
+                try:
+                    out = self._compiled(*args, **kwargs)
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
+            finish()
             for note in notes:
                 if note not in self.report.notes:
                     self.report.notes.append(note)
@@ -92,6 +103,16 @@ class OptimizedModel:
                     d.pop("forward", None)
                 else:
                     d["forward"] = previous
+
+    def _refuse_training(self) -> None:
+        """The graphs were compiled for inference; a module switched to training mode since
+        would need dropout (and batch statistics) they do not compute."""
+        for m in self._modules:
+            if m.training:
+                name = next((n for n, x in self.model.named_modules() if x is m), "") or type(self.model).__name__
+                raise ValueError(f"the model is in training mode ({name} and perhaps others were switched with "
+                                 ".train() after metainfer.optimize); its compiled graphs are for inference: call "
+                                 "model.eval() to use them, or call the model itself to train")
 
     def _dump_new_sections(self) -> None:
         if self._dump_dir and len(self.report.sections) != self._dumped_sections:
@@ -120,44 +141,6 @@ def _model_lock(model: torch.nn.Module) -> threading.RLock:
         return lock
 
 
-def _token_input(args, kwargs) -> torch.Tensor | None:
-    for name in ("input_ids", "tokens"):
-        if isinstance(kwargs.get(name), torch.Tensor):
-            return kwargs[name]
-    return args[0] if args and isinstance(args[0], torch.Tensor) else None
-
-
-def _past_length(kwargs, limit: int) -> int:
-    """Tokens already in the cache, where they could matter: a cache whose capacity is within
-    `limit` cannot hold a position past it (and asking a static cache its length costs a
-    device sync per step)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 calls it `cache`
-    if cache is None or not hasattr(cache, "get_seq_length"):
-        return 0
-    try:
-        capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1  # -1: grows
-    except Exception:
-        capacity = -1
-    if isinstance(capacity, int) and 0 <= capacity <= limit:
-        return 0
-    return int(cache.get_seq_length())
-
-
-def _check_shapes(model, args, kwargs) -> None:
-    """Inputs no graph may be asked to compute: empty, or past the model's positions."""
-    ids = _token_input(args, kwargs)
-    if ids is None:
-        return
-    if ids.numel() == 0:
-        raise ValueError(f"empty input: tokens of shape {tuple(ids.shape)} (a batch or sequence of 0)")
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and ids.dim() >= 1:
-        end = _past_length(kwargs, limit) + ids.shape[-1]
-        if end > limit:
-            raise ValueError(f"input reaches position {end}, past the model's max_position_embeddings ({limit}); "
-                             "its position embeddings are not defined there")
-
-
 def _as_args(example_inputs) -> tuple[tuple, dict]:
     if example_inputs is None:
         return (), {}
@@ -169,25 +152,6 @@ def _as_args(example_inputs) -> tuple[tuple, dict]:
         return tuple(example_inputs), {}
     raise TypeError("example_inputs must be a tensor, a tuple/list of positional inputs or a dict of "
                     f"keyword inputs, not {type(example_inputs).__name__}")
-
-
-def _tensors(obj, path: str):
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{path}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{path}[{i}]")
-
-
-def _check_devices(target, args, kwargs, what: str) -> None:
-    kind = target.device.kind
-    for path, t in _tensors((args, kwargs), what):
-        if t.device.type != kind:
-            raise ValueError(f"{what} {path} is on {t.device}, but target {target.name!r} drives {kind} "
-                             f"devices; move it with .to({kind!r}) or pick a {t.device.type} target")
 
 
 def _validate_model(model, target) -> None:
@@ -268,7 +232,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
     if example_inputs is not None:
-        _check_devices(t, args, kwargs, what="example_inputs")
+        check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None
     opt = _build(model, t, passes, disable, lowering, pass_options, capture=verify, cache_dir=cache_dir,
                  dynamic=dynamic, dump_dir=dump)
@@ -305,7 +269,7 @@ def bisect(model: torch.nn.Module, example_inputs, target="cpu", *, passes: Iter
     outputs with running it eagerly."""
     args, kwargs = _as_args(example_inputs)
     t = _targets.get(target)
-    _check_devices(t, args, kwargs, what="example_inputs")
+    check_devices(t, args, kwargs, what="example_inputs")
     opt = _build(model, t, passes, disable, lowering, pass_options, capture=True, cache_dir=None, dynamic=None)
     with torch.no_grad():
         ref = model(*args, **kwargs)

@@ -14,6 +14,7 @@ a forward in one graph, so the passes can see whole patterns.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import weakref
 
@@ -74,3 +75,87 @@ def capturable(model: torch.nn.Module):
     finally:
         if switched:
             model.set_experts_implementation("eager")
+
+
+class CaptureError(RuntimeError):
+    """Dynamo could not capture the model on these inputs. The message starts with what
+    metainfer knows (the inputs, the module and line where tracing failed, the cause) and
+    ends with Dynamo's own text; the Dynamo exception is the __cause__."""
+
+
+def translate(err: Exception, model: torch.nn.Module, args: tuple, kwargs: dict, target_name: str) -> Exception:
+    """The exception to raise for a Dynamo failure while compiling `model` on these inputs:
+    a pass's own PassError where a pass failed, else a CaptureError led by what metainfer
+    knows. Errors of metainfer's lowering (a bug of ours) come back as they are."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from metainfer.inputs import describe
+
+    if isinstance(err, BackendCompilerFailed):
+        from metainfer.passes import PassError
+
+        inner = err.inner_exception
+        return inner if isinstance(inner, PassError) else err
+    dynamo_text = str(err).strip()
+    where = _where(model, getattr(err, "real_stack", None) or [])
+    lines = [f"metainfer could not capture {type(model).__name__}.forward for target {target_name}: {_cause(err)}",
+             f"  inputs: {describe(model, args, kwargs)}"]
+    if where:
+        lines.append(f"  where: {where}")
+    lines.append("  (the model's own forward on these inputs most likely fails the same way without metainfer)")
+    lines += ["", "Dynamo's message:", dynamo_text]
+    return CaptureError("\n".join(lines))
+
+
+def _cause(err: Exception) -> str:
+    """The underlying error, which Dynamo puts on an 'Explanation:' line ('... got X("...")')."""
+    import re
+
+    text = str(err)
+    m = re.search(r"got (\w+(?:Error|Exception))\((['\"])(.*)\2\)\s*$", text, re.MULTILINE)
+    if m:
+        return f"{m.group(1)}: {m.group(3)}"
+    cause = err.__cause__ or err.__context__
+    if cause is not None and not isinstance(cause, type(err)):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _where(model: torch.nn.Module, stack) -> str:
+    """The innermost frame of Dynamo's user stack that runs a forward of one of the model's
+    modules, named by module path, and the innermost frame of all (where it failed)."""
+    classes: dict[type, list[str]] = {}
+    for name, m in model.named_modules():
+        classes.setdefault(type(m), []).append(name or "(the model)")
+    spans = []
+    for cls, names in classes.items():
+        forward = getattr(cls, "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None  # past decorators
+        if code is None:
+            continue
+        last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+        spans.append((code.co_filename, code.co_firstlineno, last, cls, names))
+    frames = list(stack)
+    for i in range(len(frames) - 1, -1, -1):
+        f = frames[i]
+        hit = next((s for s in spans if s[0] == f.filename and s[1] <= f.lineno <= s[2]), None)
+        if hit is None:
+            continue
+        _, _, _, cls, names = hit
+        who = names[0] if len(names) == 1 else (f"{names[0]} (the first of {len(names)} {cls.__name__} modules: "
+                                                "Dynamo traces them in order)")
+        out = f"{who} in {cls.__name__}.forward ({_frame(f)})"
+        if i < len(frames) - 1:
+            out += f", inside {frames[-1].name} ({_frame(frames[-1])})"
+        return out
+    return _frame(frames[-1]) if frames else ""
+
+
+def _frame(f) -> str:
+    path = f.filename
+    for marker in ("site-packages/", "/models/", "/metainfer/"):
+        if marker in path:
+            path = (marker.strip("/") + "/" if marker != "site-packages/" else "") + path.split(marker, 1)[1]
+            break
+    code = (f.line or "").strip()
+    return f"{path}:{f.lineno}" + (f": {code}" if code else "")

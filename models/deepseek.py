@@ -375,6 +375,10 @@ class DeepSeek(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (Hugging Face's name for it): callers read the vocabulary here."""
+        return self.embed
+
     def rope(self, start: int, end: int, device):
         d, theta = self.config.qk_rope_head_dim, self.config.rope_theta
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))

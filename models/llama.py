@@ -186,6 +186,10 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (Hugging Face's name for it): callers read the vocabulary here."""
+        return self.tok_embeddings
+
     def rope(self, start: int, end: int, device, dtype):
         # positions start..end-1, in float32 whatever the model dtype, as the reference implementations do
         d, theta = self.config.head_dim, self.config.rope_theta

@@ -1,4 +1,9 @@
-"""The `metainfer` command line."""
+"""The `metainfer` command line.
+
+Only argparse and the target registry load before a command runs (torch takes seconds to
+import), so `--help`, `--version` and argument errors answer at once. `optimize` checks its
+target and model description before it builds anything.
+"""
 
 from __future__ import annotations
 
@@ -12,47 +17,136 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 
 
-def _load_model(spec: str, dtype, attn: str | None):
-    """A models/ name, or a Hugging Face config.json (random weights, nothing downloaded)."""
+class UsageError(Exception):
+    """Something the user typed cannot be done; the message is the whole answer (exit 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    from metainfer import __version__
+
+    deps = []
+    for dist in ("torch", "triton", "transformers"):
+        try:
+            deps.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            deps.append(f"{dist} not installed")
+    return f"metainfer {__version__} ({', '.join(deps)})"
+
+
+class _VersionAction(argparse.Action):
+    """--version, computed only when asked (argparse's own takes a fixed string)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version())
+        parser.exit()
+
+
+def _target(name: str):
+    from metainfer import targets
+
+    try:
+        return targets.get(name)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        raise UsageError(f"--target {name}: {e}") from None
+
+
+class _ModelSpec:
+    """What --model names, checked before anything is built: a models/ name or a Hugging
+    Face config.json (or its folder)."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.hf_config: dict | None = None
+        self.path: Path | None = None
+        from metainfer import models  # imports torch: --help never gets here
+
+        if spec in models.names():
+            return
+        path = Path(spec)
+        if not (path.exists() or spec.endswith(".json")):
+            raise UsageError(f"--model {spec}: neither a models/ name ({', '.join(models.names())}) nor a Hugging "
+                             "Face config.json or folder holding one")
+        from metainfer.shapes import read_config_json
+
+        try:
+            self.path, self.hf_config = read_config_json(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(f"--model {spec}: {e}") from None
+        try:
+            import transformers
+        except ImportError:
+            raise UsageError("--model: a Hugging Face config needs transformers (pip install transformers)") from None
+        try:
+            self.config = transformers.AutoConfig.from_pretrained(str(self.path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--model {spec}: transformers cannot read this config: {e}") from None
+
+    def build(self, dtype, device: str, attn: str | None):
+        """(model, vocabulary size, what it is) with random weights, nothing downloaded."""
+        import torch
+
+        from metainfer import models
+
+        if self.hf_config is None:
+            model = models.build(self.spec, dtype=dtype, device=device)
+            return model, models.config(self.spec).vocab_size, f"models/{self.spec}"
+        import transformers
+
+        cfg = self.config
+        if attn:
+            cfg._attn_implementation = attn
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                torch.manual_seed(0)
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+            raise UsageError(f"--model {self.spec}: transformers cannot build a causal LM from this config: "
+                             f"{type(e).__name__}: {e}") from None
+        return model.to(dtype).eval(), cfg.vocab_size, f"{type(model).__name__} from {self.path}"
+
+
+def _device_for(target) -> str:
+    """The torch device the target drives, if this machine has it."""
     import torch
 
-    from metainfer import models
-
-    if spec in models.names():
-        model = models.build(spec, dtype=dtype)
-        vocab = models.config(spec).vocab_size
-        return model, vocab, f"models/{spec}"
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise SystemExit(f"metainfer: --model {spec!r} is neither a models/ name ({', '.join(models.names())}) "
-                         "nor a Hugging Face config.json")
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("metainfer: a Hugging Face config needs `pip install transformers`")
-    cfg = transformers.AutoConfig.from_pretrained(str(path))
-    if attn:
-        cfg._attn_implementation = attn
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return model.to(dtype).eval(), cfg.vocab_size, f"{type(model).__name__} from {path}"
+    kind = target.device.kind
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--target {target.name}: it drives CUDA GPUs ({target.device.name}) and this machine has "
+                         f"none (torch {torch.__version__}). Use --target cpu here, or see what metainfer would "
+                         f"plan on that box with `metainfer plan --model ... --target {target.name}`.")
+    return kind
 
 
 def cmd_optimize(a) -> int:
+    target = _target(a.target)
+    spec = _ModelSpec(a.model)
+    device = _device_for(target)
     import torch
 
     import metainfer
 
     dtype = getattr(torch, _DTYPES[a.dtype])
-    model, vocab, what = _load_model(a.model, dtype, a.attn)
-    ids = torch.randint(0, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    model, vocab, what = spec.build(dtype, device, a.attn)
+    ids = torch.randint(0, vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(0)).to(device)
     print(f"optimizing {what} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{str(dtype).replace('torch.', '')}) for target {a.target}, input {a.batch}x{a.seq} tokens")
+          f"{str(dtype).replace('torch.', '')}) for target {target.name}, input {a.batch}x{a.seq} tokens")
     t0 = time.perf_counter()
-    opt = metainfer.optimize(model, a.target, example_inputs=(ids,), passes=a.passes, disable=a.disable or (),
+    opt = metainfer.optimize(model, target, example_inputs=(ids,), passes=a.passes, disable=a.disable or (),
                              verify=a.verify, dump_dir=a.dump, lowering=a.lowering, cache_dir=a.cache_dir)
     print(f"compiled in {time.perf_counter() - t0:.1f} s\n")
     print(opt.report)
@@ -66,11 +160,15 @@ def cmd_plan(a) -> int:
 
     from metainfer import planner, shapes
 
-    model = shapes.resolve(a.model)
+    target = _target(a.target)
+    try:
+        model = shapes.resolve(a.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--model {a.model}: {e}") from None
     if a.weights:
         model = dataclasses.replace(model, weight_bytes=2.0 if a.weights == "bf16" else shapes._FP8_BYTES)
     phases = planner.PHASES if a.phase == "both" else (a.phase,)
-    result = planner.plan(model, a.target, phases=phases, batch=a.batch, seq=a.seq, acceptance=a.acceptance)
+    result = planner.plan(model, target, phases=phases, batch=a.batch, seq=a.seq, acceptance=a.acceptance)
     print(json.dumps(result.to_dict(), indent=2) if a.json else result)
     return 0
 
@@ -78,15 +176,14 @@ def cmd_plan(a) -> int:
 def cmd_targets(a) -> int:
     from metainfer import targets
 
+    if a.json:
+        print(json.dumps({n: targets.get(n).to_dict() for n in targets.names()}, indent=2, default=str))
+        return 0
     for name in targets.names():
         t = targets.get(name)
-        if a.json:
-            continue
         islands = " + ".join(str(len(i)) for i in t.topology.islands)
         print(f"{name:10s} {t.device.kind:5s} {t.num_devices} x {t.device.name:20s} islands {islands:7s} "
               f"p2p {'yes' if t.topology.p2p else 'no':3s}  {t.description}")
-    if a.json:
-        print(json.dumps({n: targets.get(n).to_dict() for n in targets.names()}, indent=2, default=str))
     return 0
 
 
@@ -109,60 +206,91 @@ def cmd_passes(a) -> int:
 
     for name in passes.pass_names():
         p = passes.get_pass(name)
-        print(f"{name:16s} {p.summary}")
+        print(f"{name:20s} {p.summary}")
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="metainfer", description="Compiler passes for LLM inference on long-tail accelerators.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="metainfer", description="Compiler passes for LLM inference on long-tail "
+                                 "accelerators: optimize a model for a target and report what each pass did.")
+    ap.add_argument("--version", action=_VersionAction,
+                    help="print metainfer's version and those of torch, triton and transformers")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    o = sub.add_parser("optimize", help="optimize a model for a target and print the pass report")
-    o.add_argument("--model", required=True, help="a models/ name (e.g. llama-tiny) or a Hugging Face config.json")
-    o.add_argument("--target", default="cpu", help="target name (see `metainfer targets`) or TOML path")
+    o = sub.add_parser("optimize", help="optimize a model for a target and print the pass report",
+                       description="Build a model with random weights (nothing is downloaded), optimize it for a "
+                       "target on random token ids, and print the pass report.")
+    o.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
+                   help="a models/ name (e.g. llama-tiny, llama-small, deepseek-tiny) or a Hugging Face config.json "
+                        "(or the folder holding it)")
+    o.add_argument("--target", default="cpu", help="target name (see `metainfer targets`) or a target TOML file; "
+                   "default: cpu")
     o.add_argument("--dump", metavar="DIR", help="write report.json, report.md and graph dumps here")
-    o.add_argument("--batch", type=int, default=1)
-    o.add_argument("--seq", type=int, default=64)
-    o.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
-    o.add_argument("--attn", choices=("eager", "sdpa"), help="attention implementation of a Hugging Face model")
-    o.add_argument("--passes", nargs="+", help="explicit pipeline (pass names)")
-    o.add_argument("--disable", nargs="+", help="pass names to skip")
-    o.add_argument("--lowering", choices=("inductor", "aot_eager"))
+    o.add_argument("--batch", type=_positive_int, default=1, metavar="N",
+                   help="sequences in the example batch (default 1)")
+    o.add_argument("--seq", type=_positive_int, default=64, metavar="N",
+                   help="tokens per sequence in the example batch (default 64)")
+    o.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="weight and activation dtype "
+                   "(default float32)")
+    o.add_argument("--attn", choices=("eager", "sdpa"), help="attention implementation of a Hugging Face model "
+                   "(default: the config's)")
+    o.add_argument("--passes", nargs="+", metavar="PASS", help="explicit pipeline (pass names, see `metainfer passes`)")
+    o.add_argument("--disable", nargs="+", metavar="PASS", help="pass names to skip")
+    o.add_argument("--lowering", choices=("inductor", "aot_eager"),
+                   help="inductor (default) or aot_eager (same passes, no code generation; compiles faster)")
     o.add_argument("--verify", action="store_true", help="check outputs against eager; name the first bad pass")
-    o.add_argument("--cache-dir", help="compile cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
+    o.add_argument("--cache-dir", metavar="DIR",
+                   help="compile cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
     o.set_defaults(fn=cmd_optimize)
 
     pl = sub.add_parser("plan", help="choose parallelism per phase for a model on a target (cost-model predictions)")
-    pl.add_argument("--model", required=True, help="a models/ name (e.g. llama3-70b, deepseek-v3) or a Hugging Face "
-                    "config.json / model folder; no weights are read")
-    pl.add_argument("--target", default="pcie8", help="target name (see `metainfer targets`) or TOML path")
-    pl.add_argument("--phase", choices=("prefill", "decode", "both"), default="both")
-    pl.add_argument("--batch", type=int, help="sequences per batch (default: prefill 4, decode 64)")
-    pl.add_argument("--seq", type=int, help="prompt tokens (prefill) / context tokens (decode); default 4096")
-    pl.add_argument("--acceptance", type=float, help="speculative decoding acceptance rate per drafted token: "
-                    "choose the draft length for decode")
+    pl.add_argument("--model", required=True, metavar="NAME_OR_CONFIG",
+                    help="a models/ name (e.g. llama3-70b, deepseek-v3) or a Hugging Face config.json / model folder; "
+                         "no weights are read")
+    pl.add_argument("--target", default="pcie8", help="target name (see `metainfer targets`) or TOML path; "
+                    "default: pcie8")
+    pl.add_argument("--phase", choices=("prefill", "decode", "both"), default="both",
+                    help="which phase to plan (default both)")
+    pl.add_argument("--batch", type=_positive_int, metavar="N", help="sequences per batch (default: prefill 4, decode 64)")
+    pl.add_argument("--seq", type=_positive_int, metavar="N",
+                    help="prompt tokens (prefill) / context tokens (decode); default 4096")
+    pl.add_argument("--acceptance", type=float, metavar="A", help="speculative decoding acceptance rate per drafted "
+                    "token (0..1): choose the draft length for decode")
     pl.add_argument("--weights", choices=("bf16", "fp8"), help="weight precision (default: the model's own)")
     pl.add_argument("--json", action="store_true", help="print the candidates and choices as JSON")
     pl.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("cache", help="show or clear the compile cache")
-    c.add_argument("action", choices=("info", "clear"))
+    c.add_argument("action", choices=("info", "clear"), help="info: files and bytes held; clear: remove them")
     c.add_argument("--dir", help="cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
     c.set_defaults(fn=cmd_cache)
 
     t = sub.add_parser("targets", help="list the built-in targets")
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--json", action="store_true", help="every target's full description as JSON")
     t.set_defaults(fn=cmd_targets)
 
     p = sub.add_parser("passes", help="list the registered passes")
     p.set_defaults(fn=cmd_passes)
+    return ap
 
-    a = ap.parse_args(argv)
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (UsageError, ValueError, FileNotFoundError) as e:  # refused input: the message says why
         print(f"metainfer: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("metainfer: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from metainfer import CaptureError, EquivalenceError
+
+        if not isinstance(e, (CaptureError, EquivalenceError)):
+            raise  # a fault of metainfer's own: the traceback is what a bug report needs
+        print(f"metainfer: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -142,15 +142,29 @@ def from_models(name_or_config) -> ModelShape:
     raise TypeError(f"not a models/ config: {type(cfg).__name__}")
 
 
+def read_config_json(path: "str | Path") -> tuple[Path, dict[str, Any]]:
+    """(the file, its contents) of a Hugging Face config.json or the folder holding one; a
+    ValueError naming the file and the place where it is not a config."""
+    path = Path(path)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {str(path)!r}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not a config object")
+    if "model_type" not in data:
+        raise ValueError(f"{path} has no \"model_type\": not a Hugging Face model config")
+    return path, data
+
+
 def from_hf(config) -> ModelShape:
     """The shape of a Hugging Face config (object, dict, or path to config.json / its folder):
     Llama-like dense models, DeepSeek-V3/V3.2 (MLA, MoE), Mixtral/Qwen-MoE-style MoE."""
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"no Hugging Face config at {str(path)!r}")
-        data = json.loads(path.read_text())
+        path, data = read_config_json(config)
         name = data.get("_name_or_path") or path.parent.name or path.stem
     elif isinstance(config, dict):
         data, name = dict(config), config.get("_name_or_path", "hf-config")

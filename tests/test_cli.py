@@ -1,8 +1,12 @@
 """The metainfer command line."""
 
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
+import torch
 
 from metainfer.cli import main
 
@@ -38,3 +42,75 @@ def test_bad_target_is_an_error_not_a_traceback(capsys):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "metainfer", "passes"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "fuse_rmsnorm" in r.stdout
+
+
+def test_version_and_help_answer_without_importing_torch():
+    code = ("import sys\n"
+            "from metainfer.cli import main\n"
+            "for argv in (['--version'], ['--help'], ['optimize', '--help']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import metainfer
+    import torch
+
+    assert r.stdout.startswith(f"metainfer {metainfer.__version__} (torch {torch.__version__}, triton ")
+
+
+def test_every_option_says_what_it_does():
+    from metainfer.cli import parser
+
+    def actions(p):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    yield from actions(sub)
+            elif not isinstance(a, argparse._HelpAction):
+                yield p.prog, a
+
+    missing = [(prog, a.option_strings or a.dest) for prog, a in actions(parser()) if not a.help]
+    assert not missing
+
+
+def test_numbers_are_checked_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["optimize", "--model", "llama-tiny", "--batch", "0"])
+    assert e.value.code == 2 and "--batch: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_target_on_a_machine_without_one_is_worded_for_the_shell(capsys):
+    assert main(["optimize", "--model", "llama-tiny", "--target", "pcie8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("metainfer: error: --target pcie8: it drives CUDA GPUs")
+    assert "this machine has none" in err and "--target cpu" in err and "metainfer plan" in err
+    assert ".to(" not in err
+
+
+def test_target_and_config_are_checked_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    from metainfer import models
+
+    def no_build(*a, **k):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(models, "build", no_build)
+    assert main(["optimize", "--model", "llama-tiny", "--target", "nosuch"]) == 2
+    assert "--target nosuch: unknown target 'nosuch'" in capsys.readouterr().err
+    broken = tmp_path / "config.json"
+    broken.write_text('{"model_type": "llama", "hidden_size": 64,')
+    assert main(["optimize", "--model", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {broken}: {broken} is not valid JSON: Expecting property name" in err
+    assert "Traceback" not in err
+    broken.write_text('{"hidden_size": 64}')
+    assert main(["optimize", "--model", str(broken)]) == 2
+    assert 'has no "model_type": not a Hugging Face model config' in capsys.readouterr().err
+    broken.write_text('{"model_type": "no-such-arch"}')
+    assert main(["optimize", "--model", str(broken)]) == 2
+    assert "transformers cannot read this config" in capsys.readouterr().err
+    assert main(["optimize", "--model", "llama-tny"]) == 2
+    assert "--model llama-tny: neither a models/ name (llama-tiny" in capsys.readouterr().err

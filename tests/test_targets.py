@@ -93,3 +93,55 @@ def test_collective_settings_follow_the_topology(tmp_path):
     assert over.collective_settings()["NCCL_MIN_NCHANNELS"] == ("4", "set in the target's [collectives.settings]")
     with pytest.raises(TargetError, match="'topology.interconnect' must be one of"):
         targets.load(_write(tmp_path, BASE.replace("p2p = true", 'p2p = true\ninterconnect = "infiniband"')))
+
+
+LAPTOP = '''name = "laptop"
+num_devices = 1
+[device]
+kind = "cpu"
+name = "my laptop"
+peak_tflops = { fp32 = 0.5, bf16 = 0.25, fp16 = 0.25 }
+memory_gib = 16
+memory_bandwidth_gbs = 50
+launch_overhead_us = 5
+'''
+
+
+def test_a_cpu_needs_no_tf32_fp8_topology_or_backend(tmp_path):
+    """Fields that cannot apply to a one-device CPU box are optional: TF32 and FP8 run as
+    fp32 there, and one device has no links to describe."""
+    t = targets.load(_write(tmp_path, LAPTOP))
+    assert t.device.peak_flops["tf32"] == t.device.peak_flops["fp32"] == 0.5e12
+    assert t.device.peak_flops["fp8"] == 0.5e12 and t.device.peak_flops["bf16"] == 0.25e12
+    assert t.topology.islands == ((0,),) and not t.topology.p2p and t.topology.inter_island is None
+    assert t.topology.intra_island.bandwidth == 50e9, "one device: its memory stands in for a link"
+    assert t.collective_backend == "gloo"
+    given = targets.load(_write(tmp_path, LAPTOP.replace("fp16 = 0.25", "fp16 = 0.25, fp8 = 0.1")))
+    assert given.device.peak_flops["fp8"] == 0.1e12, "a rate that is given is used"
+
+
+def test_a_gpu_still_needs_its_tf32_and_fp8_rates(tmp_path):
+    p = _write(tmp_path, BASE.replace("tf32 = 183, ", ""))
+    with pytest.raises(TargetError, match="'device.peak_tflops.tf32' is missing"):
+        targets.load(p)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    text = (LAPTOP.replace("memory_gib = 16\n", "").replace("launch_overhead_us = 5\n", "launch_overhead_us = -1\n")
+            .replace("fp16 = 0.25", "fp16 = 0.25, bf8 = 1").replace('kind = "cpu"', 'kind = "cpu"\nmemory_bandwidth_gbs = "fast"'))
+    text = text.replace('memory_bandwidth_gbs = 50\n', '')
+    with pytest.raises(TargetError) as e:
+        targets.load(_write(tmp_path, text))
+    assert e.value.problems == ["field 'device.peak_tflops.bf8' is not one of the dtypes ('fp32', 'tf32', 'bf16', "
+                                "'fp16', 'fp8')",
+                                "field 'device.memory_gib' is missing",
+                                "field 'device.memory_bandwidth_gbs' must be a number, got 'fast'",
+                                "field 'device.launch_overhead_us' must be >= 0, got -1.0"]
+    assert "4 problem(s)" in str(e.value)
+
+
+def test_a_multi_device_box_must_describe_its_topology(tmp_path):
+    text = BASE[:BASE.index("[topology]")]
+    with pytest.raises(TargetError) as e:
+        targets.load(_write(tmp_path, text))
+    assert e.value.problems == ["field 'topology' is missing", "field 'collectives' is missing"]

@@ -25,7 +25,11 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
 class TargetError(ValueError):
-    """A target description is missing a field or has an invalid value."""
+    """A target description is missing fields or has invalid values; `problems` lists each."""
+
+    def __init__(self, message: str, problems: "list[str] | None" = None):
+        super().__init__(message)
+        self.problems = list(problems or [message])
 
 
 @dataclass(frozen=True)
@@ -130,15 +134,22 @@ def load(path: "str | Path") -> Target:
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
-    r = _Reader(data, source)
+    """A Target from a parsed TOML table. Every missing or invalid field is reported at once,
+    in one TargetError. Fields that cannot apply to the device are optional: a CPU has no TF32
+    mode and no FP8 units (both run as fp32 there), and a one-device box has no topology to
+    describe (its [topology] may be left out) and a default collective backend."""
+    errors: list[str] = []
+    r = _Reader(data, source, errors)
     name = r.str("name")
     num_devices = r.int("num_devices", minimum=1)
     dev = r.table("device")
-    kind = dev.str("kind")
-    if kind not in DEVICE_KINDS:
-        raise TargetError(f"{source}: device.kind must be one of {DEVICE_KINDS}, got {kind!r}")
+    kind = dev.choice("kind", DEVICE_KINDS)
     tflops = dev.table("peak_tflops")
-    peak = {dt: tflops.positive(dt) * 1e12 for dt in DTYPES}
+    derived = _CPU_DERIVED_RATES if kind == "cpu" else {}
+    for unknown in sorted(set(tflops.data) - set(DTYPES)):
+        errors.append(f"field 'device.peak_tflops.{unknown}' is not one of the dtypes {DTYPES}")
+    given = {dt: tflops.positive(dt) * 1e12 for dt in DTYPES if dt not in derived or tflops.get(dt) is not None}
+    peak = {dt: given[dt] if dt in given else given.get(derived[dt], 1.0) for dt in DTYPES}
     device = DeviceSpec(
         kind=kind,
         name=dev.str("name"),
@@ -148,101 +159,129 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         launch_overhead_s=dev.non_negative("launch_overhead_us") * 1e-6,
         arch=dev.str("arch", default=""),
     )
-    topo = r.table("topology")
-    islands = topo.islands("islands", num_devices)
-    inter = topo.link("inter_island", required=len(islands) > 1)
+    single = num_devices == 1
+    topo = r.table("topology", optional=single)
+    islands = topo.islands("islands", num_devices, default=((0,),) if single else None)
     ring = topo.get("flat_ring_bus_bandwidth_gbs")
+    # one device: nothing crosses a link; its own memory stands in where a figure is asked for
+    own_memory = LinkSpec(bandwidth=device.memory_bandwidth, latency_s=0.0)
     topology = Topology(
         islands=islands,
-        p2p=topo.bool("p2p"),
-        intra_island=topo.link("intra_island", required=True),
-        inter_island=inter,
+        p2p=topo.bool("p2p", default=False if single else None),
+        intra_island=topo.link("intra_island", required=not single) or own_memory,
+        inter_island=topo.link("inter_island", required=len(islands) > 1),
         flat_ring_bus_bandwidth=None if ring is None else topo.positive("flat_ring_bus_bandwidth_gbs") * 1e9,
-        interconnect=topo.choice("interconnect", ("pcie", "nvlink", "host"), default="pcie"),
+        interconnect=topo.choice("interconnect", ("pcie", "nvlink", "host"), default="host" if kind == "cpu" else "pcie"),
     )
-    coll = r.table("collectives")
-    backend = coll.str("backend")
-    if backend not in ("nccl", "gloo"):
-        raise TargetError(f"{source}: collectives.backend must be 'nccl' or 'gloo', got {backend!r}")
+    coll = r.table("collectives", optional=single)
+    backend = coll.choice("backend", ("nccl", "gloo"), default=_DEFAULT_BACKEND[kind] if single else None)
     overrides = coll.get("settings") or {}
     if not isinstance(overrides, Mapping) or not all(isinstance(v, (str, int)) for v in overrides.values()):
-        raise TargetError(f"{source}: field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
-    kernels = dict(data.get("kernels", {}))
+        errors.append(f"field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
+        overrides = {}
+    kernels = data.get("kernels", {})
+    if not isinstance(kernels, Mapping):
+        errors.append(f"field 'kernels' must be a table of per-kernel tables, got {kernels!r}")
+        kernels = {}
     pass_options = data.get("passes", {})
     if not isinstance(pass_options, Mapping):
-        raise TargetError(f"{source}: field 'passes' must be a table of pass options, got {pass_options!r}")
+        errors.append(f"field 'passes' must be a table of pass options, got {pass_options!r}")
+        pass_options = {}
+    if errors:
+        listed = "".join(f"\n  - {e}" for e in errors)
+        raise TargetError(f"{source}: {len(errors)} problem(s) in the target description:{listed}", errors)
     return Target(name=name, description=r.str("description", default=name), num_devices=num_devices,
-                  device=device, topology=topology, collective_backend=backend, kernels=kernels,
+                  device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
                   collective_overrides={k: str(v) for k, v in overrides.items()})
 
 
+# On a CPU: torch runs TF32 math as plain fp32, and FP8 GEMMs as fp32 matmuls of the
+# dequantised values (kernels/fp8_gemm.py's CPU path); a missing rate takes that dtype's.
+_CPU_DERIVED_RATES = {"tf32": "fp32", "fp8": "fp32"}
+_DEFAULT_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+_ABSENT = object()
+
+
 class _Reader:
-    """Typed access to one TOML table; every error names the full field path."""
+    """Typed access to one TOML table. A missing or invalid field is recorded in `errors`
+    (named by its full path) and a stand-in value returned, so one pass over a description
+    finds every problem in it."""
 
-    def __init__(self, data: Mapping[str, Any], source: str, prefix: str = ""):
-        self.data, self.source, self.prefix = data, source, prefix
+    def __init__(self, data: Mapping[str, Any], source: str, errors: list[str], prefix: str = ""):
+        self.data, self.source, self.errors, self.prefix = data, source, errors, prefix
 
-    def _err(self, key: str, what: str) -> TargetError:
-        return TargetError(f"{self.source}: field '{self.prefix}{key}' {what}")
+    def _err(self, key: str, what: str) -> None:
+        self.errors.append(f"field '{self.prefix}{key}' {what}")
 
     def get(self, key: str) -> Any:
         return self.data.get(key)
 
-    def _need(self, key: str) -> Any:
-        if key not in self.data:
-            raise self._err(key, "is missing")
-        return self.data[key]
+    def _need(self, key: str, default: Any = None) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is None:
+            self._err(key, "is missing")
+            return _ABSENT
+        return default
 
-    def table(self, key: str) -> "_Reader":
-        v = self._need(key)
-        if not isinstance(v, Mapping):
-            raise self._err(key, f"must be a table, got {type(v).__name__}")
-        return _Reader(v, self.source, f"{self.prefix}{key}.")
+    def table(self, key: str, optional: bool = False) -> "_Reader":
+        v = self.data.get(key, {}) if optional else self._need(key)
+        if v is not _ABSENT and not isinstance(v, Mapping):
+            self._err(key, f"must be a table, got {type(v).__name__}")
+        # a missing or wrong table reads as an empty one: its own fields are then reported
+        # as missing only where the table itself was present
+        sub = v if isinstance(v, Mapping) else {}
+        errors = self.errors if isinstance(v, Mapping) else []
+        return _Reader(sub, self.source, errors, f"{self.prefix}{key}.")
 
     def str(self, key: str, default: "str | None" = None) -> str:
-        if default is not None and key not in self.data:
-            return default
-        v = self._need(key)
+        v = self._need(key, default)
+        if v is _ABSENT:
+            return ""
         if not isinstance(v, str):
-            raise self._err(key, f"must be a string, got {v!r}")
+            self._err(key, f"must be a string, got {v!r}")
+            return ""
         return v
 
-    def choice(self, key: str, allowed: tuple[str, ...], default: str) -> str:
-        v = self.data.get(key, default)
-        if v not in allowed:
-            raise self._err(key, f"must be one of {allowed}, got {v!r}")
-        return v
+    def choice(self, key: str, allowed: tuple[str, ...], default: "str | None" = None) -> str:
+        v = self._need(key, default)
+        if v is not _ABSENT and v not in allowed:
+            self._err(key, f"must be one of {allowed}, got {v!r}")
+        return v if v in allowed else allowed[0]
 
-    def bool(self, key: str) -> bool:
-        v = self._need(key)
-        if not isinstance(v, bool):
-            raise self._err(key, f"must be true or false, got {v!r}")
-        return v
+    def bool(self, key: str, default: "bool | None" = None) -> bool:
+        v = self._need(key, default)
+        if v is not _ABSENT and not isinstance(v, bool):
+            self._err(key, f"must be true or false, got {v!r}")
+        return v if isinstance(v, bool) else False
 
     def int(self, key: str, minimum: int) -> int:
         v = self._need(key)
+        if v is _ABSENT:
+            return minimum
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise self._err(key, f"must be an integer >= {minimum}, got {v!r}")
+            self._err(key, f"must be an integer >= {minimum}, got {v!r}")
+            return minimum
         return v
 
-    def _number(self, key: str) -> float:
+    def _number(self, key: str, test, what: str) -> float:
         v = self._need(key)
+        if v is _ABSENT:
+            return 1.0
         if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise self._err(key, f"must be a number, got {v!r}")
+            self._err(key, f"must be a number, got {v!r}")
+            return 1.0
+        if not test(v):
+            self._err(key, f"must be {what}, got {float(v)!r}")
+            return 1.0
         return float(v)
 
     def positive(self, key: str) -> float:
-        v = self._number(key)
-        if not v > 0:
-            raise self._err(key, f"must be positive, got {v!r}")
-        return v
+        return self._number(key, lambda v: v > 0, "positive")
 
     def non_negative(self, key: str) -> float:
-        v = self._number(key)
-        if not v >= 0:
-            raise self._err(key, f"must be >= 0, got {v!r}")
-        return v
+        return self._number(key, lambda v: v >= 0, ">= 0")
 
     def link(self, key: str, required: bool) -> "LinkSpec | None":
         if key not in self.data and not required:
@@ -250,12 +289,18 @@ class _Reader:
         t = self.table(key)
         return LinkSpec(bandwidth=t.positive("bandwidth_gbs") * 1e9, latency_s=t.non_negative("latency_us") * 1e-6)
 
-    def islands(self, key: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
-        v = self._need(key)
+    def islands(self, key: str, num_devices: int, default=None) -> tuple[tuple[int, ...], ...]:
+        v = self._need(key, default)
+        if v is _ABSENT:
+            return (tuple(range(num_devices)),)
+        if isinstance(v, tuple):  # the default
+            return v
         ok = isinstance(v, list) and v and all(isinstance(i, list) and i for i in v)
         if not ok:
-            raise self._err(key, f"must be a non-empty list of non-empty device lists, got {v!r}")
+            self._err(key, f"must be a non-empty list of non-empty device lists, got {v!r}")
+            return (tuple(range(num_devices)),)
         flat = [d for isl in v for d in isl]
         if sorted(flat) != list(range(num_devices)):
-            raise self._err(key, f"must cover devices 0..{num_devices - 1} exactly once, got {v!r}")
+            self._err(key, f"must cover devices 0..{num_devices - 1} exactly once, got {v!r}")
+            return (tuple(range(num_devices)),)
         return tuple(tuple(i) for i in v)

@@ -333,6 +333,42 @@ def _reaches_bmm(n, depth: int = 12) -> bool:
     return False
 
 
+# Ops that are not part of what metainfer.attention computes, by what they mean in a model.
+_KNOWN_BLOCKERS = {
+    aten.tanh: "logit soft-capping (cap * tanh(scores / cap), as in Gemma 2): the fused op has no soft-cap",
+}
+
+
+def _blocked_by(n) -> str:
+    """The near miss for an op between the q k^T matmul and the softmax."""
+    for op, why in _KNOWN_BLOCKERS.items():
+        if is_op(n, op):
+            return f"{why} ({n.name})"
+    return f"unsupported op {getattr(n, 'target', n)} between the q k^T matmul and the softmax"
+
+
+def _chain_step(n) -> bool:
+    """An op the score chain may hold (_parse_scores follows it)."""
+    return is_op(n, *CONVERT_OPS, *VIEW_OPS, aten.add, aten.where, aten.bmm) or (
+        is_op(n, aten.mul, aten.div) and (is_scalar(n.args[1]) or is_scalar(n.args[0])))
+
+
+def _off_chain_op(n, depth: int = 12, seen: set | None = None):
+    """The first op on a path from `n` down to a bmm that the score chain cannot hold (what
+    stopped _reaches_bmm), or None if no such path is near."""
+    seen = set() if seen is None else seen
+    if depth == 0 or not isinstance(n, Node) or n.op != "call_function" or n in seen:
+        return None
+    seen.add(n)
+    for src in n.all_input_nodes:
+        if is_op(src, aten.bmm) or _reaches_bmm(src):
+            return None if _chain_step(n) else n
+        found = _off_chain_op(src, depth - 1, seen)
+        if found is not None:
+            return found if _chain_step(n) else n
+    return None
+
+
 def _parse_scores(x: Node):
     """Walk from the softmax input down to the q k^T bmm: scale, masks, the chain's nodes."""
     scale, masks, keeps, chain = 1.0, [], [], []
@@ -354,8 +390,12 @@ def _parse_scores(x: Node):
                 raise NearMiss("score add with alpha != 1")
             a, b = x.args[0], x.args[1]
             ra, rb = _reaches_bmm(a), _reaches_bmm(b)
-            if ra == rb:
-                raise NearMiss("cannot tell the scores from the mask in an add")
+            if ra and rb:
+                raise NearMiss("cannot tell the scores from the mask in an add: both come from a q k^T matmul")
+            if not ra and not rb:  # the scores' side reaches the matmul only through an op the op lacks
+                blocker = _off_chain_op(a) or _off_chain_op(b)
+                raise NearMiss(_blocked_by(blocker) if blocker is not None else
+                               "cannot tell the scores from the mask in an add: neither comes from a q k^T matmul")
             scores, mask = (a, b) if ra else (b, a)
             if not isinstance(mask, Node) or not same_shape(shape(x), shape(scores) or ()):
                 raise NearMiss("the mask added to the scores changes their shape or is not a tensor")
@@ -387,7 +427,7 @@ def _parse_scores(x: Node):
             chain.append(x)
             return scale, masks, keeps, chain, x
         else:
-            raise NearMiss(f"unsupported op {getattr(x, 'target', x)} between the q k^T matmul and the softmax")
+            raise NearMiss(_blocked_by(x))
 
 
 def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -> None:

@@ -201,6 +201,28 @@ def test_not_fused_when_the_mask_is_scaled():
     assert rec.matches == 0 and "scaled" in rec.near_misses[0]
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_soft_capped_scores_are_a_named_near_miss(masked):
+    """Gemma 2's logit soft-capping, cap * tanh(scores / cap), with and without a mask after it."""
+    def f(q, k, v, m):
+        s = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 50.0) * 50.0
+        return torch.softmax(s + m if masked else s, dim=-1) @ v
+
+    rec, ops = fuse(f, *qkv(), torch.randn(S, S))
+    assert rec.matches == 0 and rec.near_misses[0].endswith("attention not fused: logit soft-capping (cap * "
+                                                          "tanh(scores / cap), as in Gemma 2): the fused op has no "
+                                                          "soft-cap (tanh)")
+
+
+def test_an_unknown_op_on_the_scores_is_named():
+    def f(q, k, v, m):
+        return torch.softmax(torch.sin(q @ k.transpose(-2, -1)) + m, dim=-1) @ v
+
+    rec, ops = fuse(f, *qkv(), torch.randn(S, S))
+    assert rec.matches == 0 and "unsupported op aten.sin.default between the q k^T matmul and the softmax" in \
+        rec.near_misses[0]
+
+
 def test_not_fused_when_fill_value_is_not_minus_infinity():
     def f(q, k, v):
         keep = torch.tril(torch.ones(S, S, dtype=torch.bool))
@@ -239,3 +261,20 @@ def test_masks_that_are_not_causal_stay_masks(form):
     rec, (op,) = fuse(f, *qkv(), pad)
     a = op_args(op)
     assert not a["causal"] and a["mask"] is not None
+
+
+def test_gemma2_eager_attention_names_soft_capping():
+    """Hugging Face Gemma 2 (eager attention): the near miss names the soft-capping, which is
+    what stops the fusion (the same model with attn_logit_softcapping=None fuses)."""
+    import metainfer
+    from metainfer.testing import tiny_hf_model
+
+    ids = torch.randint(0, 128, (1, 8))
+    capped = metainfer.optimize(tiny_hf_model("Gemma2", head_dim=16), "cpu", example_inputs=(ids,),
+                                lowering="aot_eager")
+    rec = capped.report.record("fuse_attention")
+    assert rec.matches == 0 and len(rec.near_misses) == 2
+    assert all("logit soft-capping" in m for m in rec.near_misses), rec.near_misses
+    plain = metainfer.optimize(tiny_hf_model("Gemma2", head_dim=16, attn_logit_softcapping=None), "cpu",
+                               example_inputs=(ids,), lowering="aot_eager")
+    assert plain.report.record("fuse_attention").matches == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,41 +129,41 @@ class Report:
         }
 
     def __str__(self) -> str:
-        out = [f"metainfer report: target {self.target.name} ({self.target.description}); "
-               f"{len(self.sections)} graph(s) compiled ({self.recompilations} recompilation(s)); "
-               f"pipeline: {', '.join(self.pipeline) or '(none)'}"]
+        out = _wrap(f"metainfer report: target {self.target.name} ({self.target.description}); "
+                    f"{len(self.sections)} graph(s) compiled ({self.recompilations} recompilation(s)); "
+                    f"pipeline: {', '.join(self.pipeline) or '(none)'}", "", "    ")
         settings = self.target.collective_settings()
         if settings:
-            out.append(f"collective settings for {self.target.collective_backend}: "
-                       + ", ".join(f"{k}={v}" for k, (v, _) in settings.items()))
+            out += _wrap(f"collective settings for {self.target.collective_backend}: "
+                         + ", ".join(f"{k}={v}" for k, (v, _) in settings.items()), "", "    ")
         if not self.sections:
             out.append("  (nothing compiled yet: the model has not been called)")
         for s in self.sections:
-            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}] {s.phase}; {_clip(s.why, 160)}"
+            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}] {s.phase}; {s.why}"
             if s.break_reasons:
                 head += f"; ends at a graph break: {s.break_reasons[0]}"
-            out.append(head)
+            out += _wrap(head, "", "    ")
             pred = s.prediction_line(self.target.name)
             if pred:
-                out.append("  " + pred)
+                out += _wrap(pred, "  ", "    ")
             rows = [("pass", "ran", "matches", "nodes", "ms", "predicted", "what it did")]
             for r in s.records:
                 ran = "yes" if r.ran else "skip"
                 what = r.decisions[0] if r.decisions else (r.skipped_reason or (r.near_misses[0] if r.near_misses else ""))
                 more = len(r.decisions) - 1
                 if more > 0:
-                    what += f" (+{more} more)"
+                    what += f" (+{more} more in report.md)"
                 rows.append((r.name, ran, str(r.matches) if r.ran else "-", f"{r.nodes_before}->{r.nodes_after}",
                              f"{r.seconds * 1e3:.1f}" if r.ran else "-", _predicted(r), what))
             widths = [max(len(row[i]) for row in rows) for i in range(6)]
             for row in rows:
-                cells = [row[i].ljust(widths[i]) for i in range(6)]
-                out.append("  " + "  ".join(cells) + "  " + _clip(row[6], 110))
+                lead = "  " + "  ".join(row[i].ljust(widths[i]) for i in range(6)) + "  "
+                out += _wrap(row[6], lead, " " * len(lead), width=max(_WIDTH, len(lead) + 40)) if row[6] else [lead.rstrip()]
             for r in s.records:
                 for nm in r.near_misses:
-                    out.append(f"  near miss [{r.name}] {_clip(nm, 150)}")
+                    out += _wrap(nm, f"  near miss [{r.name}] ", "      ")
         for n in self.notes:
-            out.append(f"note: {n}")
+            out += _wrap(n, "note: ", "      ")
         return "\n".join(out)
 
     def __repr__(self) -> str:
@@ -259,5 +260,9 @@ def _dump_name(graph_index: int, r: PassRecord) -> str:
     return f"graph{graph_index}_{r.name}"
 
 
-def _clip(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
+_WIDTH = 120  # console report: lines wrap here (nothing is cut; report.md has one line per item)
+
+
+def _wrap(text: str, first: str, rest: str, width: int = _WIDTH) -> list[str]:
+    return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False) or [first.rstrip()]

@@ -38,6 +38,7 @@ class Pass:
     device_kinds: tuple[str, ...] = ("cpu", "cuda")  # where it is correct
     profitable_kinds: tuple[str, ...] = ("cpu", "cuda")  # where the default pipeline runs it
     unprofitable_why: str = ""
+    needs_collectives: bool = False  # rewrites collectives: nothing to do on one device or an unsharded graph
 
     def skip_reason(self, target: Target, explicit: bool = False) -> str | None:
         """None if the pass should run for `target`, else why not. A pass the user named
@@ -45,6 +46,8 @@ class Pass:
         kind = target.device.kind
         if kind not in self.device_kinds:
             return f"does not apply to {kind} targets"
+        if self.needs_collectives and target.num_devices == 1:
+            return f"a multi-device pass: target {target.name} has one device"
         if not explicit and kind not in self.profitable_kinds:
             why = f": {self.unprofitable_why}" if self.unprofitable_why else ""
             return f"not profitable on {kind} targets{why} (name it in passes= to force)"

@@ -20,7 +20,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import Pass, PassContext, PassResult
-from .matching import shape, tensor_val
+from .matching import is_collective_call, shape, tensor_val
 
 PIPELINE_VERSION = "1"
 
@@ -164,13 +164,21 @@ class PassManager(CustomGraphPass):
         ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
         self.simulation_error = None
         schedule = self._predict(graph)
-        runnable = [p for p in self.passes
-                    if p.name not in self.disabled and p.skip_reason(self.target, self.explicit) is None]
+        unsharded = not any(is_collective_call(n) for n in graph.nodes)
+
+        def skip_reason(p: Pass) -> str | None:
+            if p.name in self.disabled:
+                return "disabled"
+            if p.needs_collectives and unsharded and p.skip_reason(self.target, self.explicit) is None:
+                return "a multi-device pass: this graph has no collectives (the model is not sharded here)"
+            return p.skip_reason(self.target, self.explicit)
+
+        runnable = [p for p in self.passes if skip_reason(p) is None]
         for p in self.passes:
             ctx.later = tuple(runnable[runnable.index(p) + 1:]) if p in runnable else ()
             n0 = len(graph.nodes)
             rec = PassRecord(name=p.name, ran=False, nodes_before=n0, nodes_after=n0, graph=self.graph_index)
-            reason = "disabled" if p.name in self.disabled else p.skip_reason(self.target, self.explicit)
+            reason = skip_reason(p)
             if reason is not None:
                 rec.skipped_reason = reason
                 records.append(rec)

@@ -37,6 +37,11 @@ def is_op(n: Any, *ops) -> bool:
     return p is not None and any(p is o or n.target is o for o in ops)
 
 
+def is_collective_call(n: Any) -> bool:
+    """A functional collective (or its wait) of torch.distributed: what a sharded graph holds."""
+    return getattr(packet(n), "_qualified_op_name", "").startswith("_c10d_functional::")
+
+
 def val(n: Any):
     return n.meta.get("val") if isinstance(n, Node) else None
 

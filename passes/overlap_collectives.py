@@ -230,6 +230,7 @@ class OverlapCollectives(Pass):
     """collective ... wait(collective) -> collective issued early, wait late, independent compute between"""
 
     name = "overlap_collectives"
+    needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         from metainfer import distributed

@@ -129,6 +129,7 @@ class PipelineCollectives(Pass):
     """collective beside a matmul (all-reduce / reduce-scatter after it, all-gather before it) -> k token chunks overlapping each other"""
 
     name = "pipeline_collectives"
+    needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         from .select_collectives import allowed_algorithms

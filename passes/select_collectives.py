@@ -97,6 +97,7 @@ class SelectCollectives(Pass):
     """all_reduce -> the algorithm the cost model picks for its size on the target (ring or hierarchical over islands)"""
 
     name = "select_collectives"
+    needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         from metainfer import distributed

@@ -152,6 +152,7 @@ class SequenceParallel(Pass):
     """all_reduce -> residual add / RMSNorm -> column-parallel input  =>  reduce_scatter -> the same on this rank's tokens -> all_gather"""
 
     name = "sequence_parallel"
+    needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

@@ -412,6 +412,7 @@ class TwoBatchOverlap(Pass):
     """one batch -> two micro-batches in one graph, so the scheduler overlaps one's collectives with the other's compute"""
 
     name = "two_batch_overlap"
+    needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         from .overlap_collectives import is_collective

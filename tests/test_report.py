@@ -40,6 +40,35 @@ def test_to_dict_is_json_and_str_is_a_table(llama_opt):
     assert "fuse_attention" in text and "matches" in text and "target cpu" in text
 
 
+def test_console_report_wraps_decisions_instead_of_cutting_them(llama_opt):
+    text = str(llama_opt.report)
+    decision = llama_opt.report.record("fuse_attention").decisions[0]
+    assert len(decision) > 100, "a decision long enough to have been cut before"
+    assert " ".join(decision.split()) in " ".join(text.split()), "every word of it is there"
+    assert "..." not in text
+    assert max(len(line) for line in text.splitlines()) <= 140
+
+
+def test_multi_device_passes_are_skipped_with_the_reason(llama_opt):
+    """On a one-device target the communication passes cannot apply: skipped, not 'ran, 0'."""
+    from metainfer.passes.lookahead import COMMUNICATION_PASSES
+
+    for name in COMMUNICATION_PASSES:
+        rec = llama_opt.report.record(name)
+        assert not rec.ran and rec.skipped_reason == "a multi-device pass: target cpu has one device", name
+
+
+def test_multi_device_passes_skip_a_graph_without_collectives():
+    """A multi-device target in one process (no job): nothing is sharded, so nothing to do."""
+    from metainfer.passes.lookahead import COMMUNICATION_PASSES
+
+    model = models.build("llama-tiny", n_layers=1)
+    report = metainfer.analyze(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8))
+    for name in COMMUNICATION_PASSES:
+        rec = report.record(name)
+        assert not rec.ran and "this graph has no collectives" in rec.skipped_reason, name
+
+
 def test_save_writes_json_markdown_and_dumps_of_changed_graphs(llama_opt, tmp_path):
     llama_opt.report.save(tmp_path)
     assert json.loads((tmp_path / "report.json").read_text())["target"] == "cpu"
@@ -119,4 +148,4 @@ def test_ops_the_model_cannot_price_are_listed_not_fatal():
                              example_inputs=(torch.randn(4, 64),), lowering="aot_eager")
     p = opt.report.sections[0].prediction
     assert any("fft" in name for name in p["priced_by_bytes"]), p
-    assert "priced by bytes only" in str(opt.report)
+    assert "priced by bytes only" in " ".join(str(opt.report).split())  # lines wrap

@@ -8,10 +8,15 @@ and nothing hangs.
 
 - The rendezvous store is hosted by the calling process on a port the OS picks, so parallel
   runs never collide; gloo is pinned to the loopback interface.
+- Two clocks. Starting the ranks (spawning, importing torch, the rendezvous) has its own
+  budget, `start_timeout_s`: on a loaded machine that alone can take tens of seconds. The
+  run's `timeout_s` is counted from the moment every rank has its process group, the point
+  from which `fn` runs, so it measures `fn` and not the machine's load.
 - A rank that raises writes its error to the store; every other rank's watchdog sees it and
   exits with "rank R failed: ...", and `run` raises `RankFailure` naming the first failed
   rank and its traceback. A rank that is killed (no chance to write) is named by its exit
-  status. Past `timeout_s` every rank still running is killed and `RankFailure` says which.
+  status. Past either budget every rank still running is killed and `RankFailure` says which
+  (and, for a hang in `fn`, where each one was).
 - Collectives time out after `collective_timeout_s` (default: timeout_s) on every rank.
 """
 
@@ -31,14 +36,19 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 FAILED_KEY = "metainfer/failed"
+ARRIVED_KEY = "metainfer/arrived"  # ranks that have imported and reached the store
+GO_KEY = "metainfer/go"  # set by the caller once every rank has arrived
+READY_KEY = "metainfer/ready"  # ranks whose process group is up: fn runs from here
 
 
 class RankFailure(RuntimeError):
-    """A rank of a multi-rank run failed, was killed or timed out."""
+    """A rank of a multi-rank run failed, was killed or timed out. `after_start_s` is how long
+    after the ranks' rendezvous it happened (None: before the rendezvous completed)."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, after_start_s: float | None = None):
         super().__init__(message)
         self.rank = rank
+        self.after_start_s = after_start_s
 
 
 def _watchdog(store, rank: int, poll_s: float) -> None:
@@ -57,7 +67,7 @@ def _watchdog(store, rank: int, poll_s: float) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, collective_timeout_s: float,
-           backend: str, results, stacks: str) -> None:
+           start_timeout_s: float, backend: str, results, stacks: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("METAINFER_GLOO_IFNAME", "lo")  # loopback only
     import faulthandler
 
@@ -67,12 +77,17 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                          timeout=datetime.timedelta(seconds=collective_timeout_s))
+                          timeout=datetime.timedelta(seconds=start_timeout_s))
     watch = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)  # its own connection
     threading.Thread(target=_watchdog, args=(watch, rank, 0.2), daemon=True).start()
     try:
+        # every rank waits for the slowest to import, so the process group's connections
+        # (bounded by the collective timeout) are made by ranks that are all there
+        store.add(ARRIVED_KEY, 1)
+        store.wait([GO_KEY])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
+        store.add(READY_KEY, 1)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", pickle.dumps(out)))
         results.close()
@@ -95,41 +110,61 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
 
 
 def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 120.0,
-        collective_timeout_s: float | None = None, backend: str = "gloo") -> list[Any]:
+        collective_timeout_s: float | None = None, start_timeout_s: float = 300.0,
+        backend: str = "gloo") -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` gloo ranks; returns each rank's result.
-    `fn` must be importable (a module-level function) and its result picklable."""
+    `fn` must be importable (a module-level function) and its result picklable. The ranks
+    have `start_timeout_s` to start and meet, then `timeout_s` for `fn`."""
     import torch.distributed as dist
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+                          timeout=datetime.timedelta(seconds=start_timeout_s + timeout_s))
     results = ctx.Queue()
     stacks = tempfile.mkdtemp(prefix="metainfer-ranks-")
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args, collective_timeout_s or timeout_s,
-                                              backend, results, os.path.join(stacks, f"rank{r}.txt")), daemon=True)
+                                              start_timeout_s, backend, results, os.path.join(stacks, f"rank{r}.txt")),
+                         daemon=True)
              for r in range(world_size)]
+    spawned = time.monotonic()
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
+    started: float | None = None  # when every rank had its process group
+    go = False
     ok = False
     try:
         while len(out) < world_size:
             _drain(results, out, errors)
+            now = time.monotonic()
+            if started is None:
+                if not go and store.add(ARRIVED_KEY, 0) == world_size:
+                    store.set(GO_KEY, "1")
+                    go = True
+                if store.add(READY_KEY, 0) == world_size:
+                    started = now
+            since = None if started is None else now - started
             dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
             if errors or dead:
                 time.sleep(1.0)  # let the others report: the first cause is among them
                 _drain(results, out, errors)
                 dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                raise _failure(errors, dead, store)
-            if time.monotonic() > deadline:
+                raise _failure(errors, dead, store, since)
+            if started is None:
+                if now - spawned > start_timeout_s:
+                    arrived = store.add(ARRIVED_KEY, 0)
+                    raise RankFailure(f"the ranks did not start within {start_timeout_s:g} s: {arrived} of {world_size} "
+                                      f"reached the rendezvous, {store.add(READY_KEY, 0)} started their process group "
+                                      "(an overloaded machine, or a rank stuck while importing)")
+            elif since > timeout_s:
                 running = [r for r, p in enumerate(procs) if p.is_alive() and r not in out]
-                raise RankFailure(f"timed out after {timeout_s:g} s; rank(s) {running} still running "
-                                  f"({len(out)} of {world_size} finished){_stacks(procs, running, stacks)}",
-                                  rank=running[0] if running else None)
+                raise RankFailure(f"timed out after {timeout_s:g} s (counted from the ranks' rendezvous, "
+                                  f"{started - spawned:.1f} s after they were spawned); rank(s) {running} still "
+                                  f"running ({len(out)} of {world_size} finished){_stacks(procs, running, stacks)}",
+                                  rank=running[0] if running else None, after_start_s=since)
             time.sleep(0.05)
         ok = True
         return [out[r] for r in range(world_size)]
@@ -177,13 +212,14 @@ def _drain(results, out: dict, errors: dict) -> None:
             errors[rank] = payload
 
 
-def _failure(errors: dict[int, str], dead: dict[int, int], store) -> RankFailure:
+def _failure(errors: dict[int, str], dead: dict[int, int], store, since: float | None) -> RankFailure:
     """The first cause of a failed run: a rank killed by a signal, else the rank that
     reported first in the store, else the lowest rank with an error."""
     killed = sorted(r for r, code in dead.items() if code < 0)
     if killed:
         r = killed[0]
-        return RankFailure(f"rank {r} was killed (signal {-dead[r]}); the other ranks then failed", rank=r)
+        return RankFailure(f"rank {r} was killed (signal {-dead[r]}); the other ranks then failed", rank=r,
+                           after_start_s=since)
     first = None
     try:
         if store.check([FAILED_KEY]):
@@ -193,8 +229,9 @@ def _failure(errors: dict[int, str], dead: dict[int, int], store) -> RankFailure
     if first is None or first not in errors:
         first = min(errors) if errors else min(dead)
     if first in errors:
-        return RankFailure(f"rank {first} failed:\n{errors[first]}", rank=first)
-    return RankFailure(f"rank {first} died (exit status {dead[first]}) without reporting an error", rank=first)
+        return RankFailure(f"rank {first} failed:\n{errors[first]}", rank=first, after_start_s=since)
+    return RankFailure(f"rank {first} died (exit status {dead[first]}) without reporting an error", rank=first,
+                       after_start_s=since)
 
 
 class SentBytes:

@@ -310,6 +310,7 @@ def all_reduce_bytes(rank, world, algorithm, nbytes):
 
 
 def raising_rank(rank, world):
+    dist.barrier()  # every rank has started: the failure is one of fn's, timed from the start
     model = models.build("llama-tiny")
     if rank == 1:
         raise RuntimeError("deliberate failure on rank 1")
@@ -319,6 +320,7 @@ def raising_rank(rank, world):
 
 
 def killed_rank(rank, world):
+    dist.barrier()
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.ones(4)
@@ -430,7 +432,8 @@ def test_choose_degrees_keeps_to_plans_metainfer_executes():
             distributed.choose_degrees(model, targets.get("pcie8"), 8, tensor_parallel=bad)
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "models-llama", "models-deepseek"])
+@pytest.mark.parametrize("kind", ["hf-llama", pytest.param("models-llama", marks=pytest.mark.slow),
+                                  pytest.param("models-deepseek", marks=pytest.mark.slow)])
 def test_four_ranks_hierarchical_all_reduce(kind):
     results = multirank.run(tp_equivalence, 4, args=(kind, 4), timeout_s=TIMEOUT_S)
     decisions = [rec["select_collectives"] for _, rec, _, _ in results]
@@ -492,7 +495,7 @@ backend = "nccl"
 """
 
 
-@pytest.mark.parametrize("kind", ["hf-llama", "models-deepseek"])
+@pytest.mark.parametrize("kind", ["hf-llama", pytest.param("models-deepseek", marks=pytest.mark.slow)])
 def test_sequence_parallel_fires_where_it_pays(tmp_path, kind):
     path = tmp_path / "slow.toml"
     path.write_text(SLOW_MEMORY)
@@ -587,25 +590,31 @@ def test_emulate_outside_a_job_is_refused():
 
 
 def test_a_rank_that_raises_fails_the_run_naming_it():
-    t0 = time.monotonic()
     with pytest.raises(multirank.RankFailure, match="deliberate failure on rank 1") as e:
         multirank.run(raising_rank, 2, timeout_s=TIMEOUT_S)
-    assert e.value.rank == 1 and time.monotonic() - t0 < 60
+    assert e.value.rank == 1 and e.value.after_start_s < 60, "reported when it happens, not at the timeout"
 
 
 def test_a_killed_rank_fails_the_run_naming_it():
-    t0 = time.monotonic()
     with pytest.raises(multirank.RankFailure, match="rank 0 was killed") as e:
         multirank.run(killed_rank, 4, timeout_s=TIMEOUT_S)
-    assert e.value.rank == 0 and time.monotonic() - t0 < 60
+    assert e.value.rank == 0 and e.value.after_start_s < 60, "reported when it happens, not at the timeout"
 
 
 def test_a_hang_times_out():
-    t0 = time.monotonic()
+    """The 5 s budget starts at the ranks' rendezvous: spawning and importing torch on a
+    loaded machine do not eat into it."""
     with pytest.raises(multirank.RankFailure, match="timed out after 5 s") as e:
         multirank.run(killed_rank_sleeps, 2, timeout_s=5)
-    assert time.monotonic() - t0 < 20
+    assert 5 <= e.value.after_start_s < 20
     assert "rank 0 at: File" in str(e.value) and "killed_rank_sleeps" in str(e.value), "where each rank hung"
+
+
+def test_ranks_that_cannot_start_in_time_are_named_as_such():
+    t0 = time.monotonic()
+    with pytest.raises(multirank.RankFailure, match="did not start within 0.2 s") as e:
+        multirank.run(killed_rank_sleeps, 2, timeout_s=5, start_timeout_s=0.2)  # importing torch alone takes longer
+    assert e.value.after_start_s is None and time.monotonic() - t0 < 30
 
 
 def killed_rank_sleeps(rank, world):

@@ -77,7 +77,8 @@ def _left_padded(b, s, pad, g):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("arch,impl", [("Llama", "eager"), ("Llama", "sdpa"), ("Qwen2", "eager")])
+@pytest.mark.parametrize("arch,impl", [("Llama", "eager"), ("Llama", "sdpa"),
+                                       pytest.param("Qwen2", "eager", marks=pytest.mark.slow)])
 def test_hugging_face_generate_matches_eager(arch, impl, cache):
     model = _hf(arch, impl)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")

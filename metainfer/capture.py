@@ -97,7 +97,7 @@ def translate(err: Exception, model: torch.nn.Module, args: tuple, kwargs: dict,
         inner = err.inner_exception
         return inner if isinstance(inner, PassError) else err
     dynamo_text = str(err).strip()
-    where = _where(model, getattr(err, "real_stack", None) or [])
+    where = _where(model, err)
     lines = [f"metainfer could not capture {type(model).__name__}.forward for target {target_name}: {_cause(err)}",
              f"  inputs: {describe(model, args, kwargs)}"]
     if where:
@@ -121,9 +121,11 @@ def _cause(err: Exception) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _where(model: torch.nn.Module, stack) -> str:
-    """The innermost frame of Dynamo's user stack that runs a forward of one of the model's
-    modules, named by module path, and the innermost frame of all (where it failed)."""
+def _where(model: torch.nn.Module, err: Exception) -> str:
+    """Where tracing failed: the module (from the partial graph's last node, else from the
+    stack where that is unambiguous), the line of its forward, and the innermost frame."""
+    frames = list(getattr(err, "real_stack", None) or [])
+    path = _failing_module(model, err)
     classes: dict[type, list[str]] = {}
     for name, m in model.named_modules():
         classes.setdefault(type(m), []).append(name or "(the model)")
@@ -135,20 +137,47 @@ def _where(model: torch.nn.Module, stack) -> str:
             continue
         last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
         spans.append((code.co_filename, code.co_firstlineno, last, cls, names))
-    frames = list(stack)
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
         hit = next((s for s in spans if s[0] == f.filename and s[1] <= f.lineno <= s[2]), None)
         if hit is None:
             continue
         _, _, _, cls, names = hit
-        who = names[0] if len(names) == 1 else (f"{names[0]} (the first of {len(names)} {cls.__name__} modules: "
-                                                "Dynamo traces them in order)")
+        if path is not None and type(model.get_submodule(path)) is cls:
+            who = path or "(the model)"
+        else:
+            who = names[0] if len(names) == 1 else f"one of {len(names)} {cls.__name__} modules ({names[0]}, ...)"
         out = f"{who} in {cls.__name__}.forward ({_frame(f)})"
         if i < len(frames) - 1:
             out += f", inside {frames[-1].name} ({_frame(frames[-1])})"
         return out
+    if path:
+        return f"{path} ({type(model.get_submodule(path)).__name__})"
     return _frame(frames[-1]) if frames else ""
+
+
+def _failing_module(model: torch.nn.Module, err: Exception) -> str | None:
+    """The module path of the op Dynamo was adding when it failed: the last node of the graph
+    it was building carries the module stack (private Dynamo state; None where absent)."""
+    import re
+
+    try:
+        out = err._torch_dynamo_tracer_output  # noqa: SLF001
+        graph = (out.output_graph or out.output_graph_for_cleanup).graph
+        stack = next(reversed(graph.nodes)).meta.get("nn_module_stack") or {}
+    except Exception:
+        return None
+    if not stack:
+        return ""  # the model's own forward
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", str(path))
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return None
+    return path
 
 
 def _frame(f) -> str:

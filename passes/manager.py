@@ -169,9 +169,10 @@ class PassManager(CustomGraphPass):
         def skip_reason(p: Pass) -> str | None:
             if p.name in self.disabled:
                 return "disabled"
-            if p.needs_collectives and unsharded and p.skip_reason(self.target, self.explicit) is None:
-                return "a multi-device pass: this graph has no collectives (the model is not sharded here)"
-            return p.skip_reason(self.target, self.explicit)
+            reason = p.skip_reason(self.target, self.explicit)
+            if reason is None and p.needs_collectives and unsharded:
+                reason = "a multi-device pass: this graph has no collectives (the model is not sharded here)"
+            return reason
 
         runnable = [p for p in self.passes if skip_reason(p) is None]
         for p in self.passes:

@@ -126,3 +126,14 @@ def test_a_model_that_fails_capture_says_where_and_on_what():
                               "llama/modeling_llama.py:")
     assert "Dynamo's message:" in text and text.index("Dynamo's message:") > text.index("where:")
     assert isinstance(e.value.__cause__, torch._dynamo.exc.TorchDynamoException)
+
+
+def test_the_failing_layer_is_named_not_its_first_sibling():
+    """Layer 1 of 2 broken (its key projection gives 1.5 heads): the message names layers.1."""
+    model = models.build("llama-tiny")
+    model.layers[1].attention.wk = torch.nn.Linear(64, 24, bias=False).eval()
+    ids = models.example_inputs("llama-tiny", seq=8)[0]
+    with pytest.raises(metainfer.CaptureError) as e:
+        metainfer.optimize(model, "cpu", example_inputs=(ids,), lowering="aot_eager")
+    where = str(e.value).splitlines()[2]
+    assert where.startswith("  where: layers.1.attention in Attention.forward (models/llama.py:"), where

@@ -8,6 +8,12 @@ and nothing hangs.
 
 - The rendezvous store is hosted by the calling process on a port the OS picks, so parallel
   runs never collide; gloo is pinned to the loopback interface.
+- Ranks are forked from a server process (multiprocessing's `forkserver`) that imported torch,
+  Dynamo, metainfer and transformers once, so a rank starts in milliseconds instead of
+  importing them (seconds each, more on a loaded machine). Each rank gets the caller's
+  environment as it is at the call; what those modules read from the environment at import
+  was read when the server started (the first run in the process).
+  METAINFER_RANK_START=spawn starts every rank as a fresh interpreter instead.
 - Two clocks. Starting the ranks (spawning, importing torch, the rendezvous) has its own
   budget, `start_timeout_s`: on a loaded machine that alone can take tens of seconds. The
   run's `timeout_s` is counted from the moment every rank has its process group, the point
@@ -67,7 +73,9 @@ def _watchdog(store, rank: int, poll_s: float) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, collective_timeout_s: float,
-           start_timeout_s: float, backend: str, results, stacks: str) -> None:
+           start_timeout_s: float, backend: str, results, stacks: str, env: dict) -> None:
+    os.environ.clear()  # the caller's environment now, not the forkserver's when it started
+    os.environ.update(env)
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("METAINFER_GLOO_IFNAME", "lo")  # loopback only
     import faulthandler
 
@@ -109,6 +117,25 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
     os._exit(0)
 
 
+# What a rank needs before it runs fn, imported once into the forkserver (metainfer first: it
+# chooses Triton's mode before torch._dynamo imports triton.language).
+_PRELOAD = ("metainfer", "torch", "torch._dynamo", "torch.distributed", "metainfer.api", "metainfer.distributed",
+            "metainfer.testing", "transformers")
+
+
+def _context():
+    """Ranks fork from a server process that has imported torch, Dynamo, metainfer and
+    transformers once (`forkserver`), instead of each importing them (seconds per rank, and
+    tens of seconds on a loaded machine). METAINFER_RANK_START=spawn starts fresh processes."""
+    import importlib.util
+
+    method = os.environ.get("METAINFER_RANK_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m.split(".")[0])])
+    return ctx
+
+
 def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 120.0,
         collective_timeout_s: float | None = None, start_timeout_s: float = 300.0,
         backend: str = "gloo") -> list[Any]:
@@ -119,13 +146,14 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s + timeout_s))
     results = ctx.Queue()
     stacks = tempfile.mkdtemp(prefix="metainfer-ranks-")
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args, collective_timeout_s or timeout_s,
-                                              start_timeout_s, backend, results, os.path.join(stacks, f"rank{r}.txt")),
+                                              start_timeout_s, backend, results, os.path.join(stacks, f"rank{r}.txt"),
+                                              dict(os.environ)),
                          daemon=True)
              for r in range(world_size)]
     spawned = time.monotonic()

@@ -57,9 +57,11 @@ def out_of_range(ids: torch.Tensor, vocab: int, what: str) -> ValueError | None:
 def request_error(tokens, vocab: int | None, what: str = "prompt") -> str | None:
     """Why one request's token list cannot be served (None if it can): for serving paths, where
     only the bad request should fail."""
-    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in tokens):
-        return f"{what} must be a list of integer token ids, got {type(tokens).__name__}"
+    if not isinstance(tokens, (list, tuple)):
+        return f"{what} must be a list of integer token ids, got a {type(tokens).__name__}"
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or isinstance(t, bool):
+            return f"{what}[{i}] is {t!r} ({type(t).__name__}), not an integer token id"
     if not tokens:
         return f"{what} is empty"
     if vocab is not None:

@@ -80,7 +80,8 @@ def test_a_request_is_judged_on_its_own():
     """For serving: one request's problem, without failing the others."""
     assert inputs.request_error([1, 2, 3], 128) is None
     assert "prompt[1] = 200 is not a token id" in inputs.request_error([1, 200, 3], 128)
-    assert "list of integer token ids" in inputs.request_error([1.0, 2.0], 128)
+    assert inputs.request_error([1, 2.0], 128) == "prompt[1] is 2.0 (float), not an integer token id"
+    assert "list of integer token ids, got a str" in inputs.request_error("hello", 128)
     assert "is empty" in inputs.request_error([], 128)
 
 

@@ -186,5 +186,7 @@ def _frame(f) -> str:
         if marker in path:
             path = (marker.strip("/") + "/" if marker != "site-packages/" else "") + path.split(marker, 1)[1]
             break
-    code = (f.line or "").strip()
+    code = (f.line or "").strip()  # a statement's first line only
+    if code.endswith(("(", "[", "{", ",")):
+        code += " ..."
     return f"{path}:{f.lineno}" + (f": {code}" if code else "")

@@ -158,7 +158,7 @@ class Report:
             widths = [max(len(row[i]) for row in rows) for i in range(6)]
             for row in rows:
                 lead = "  " + "  ".join(row[i].ljust(widths[i]) for i in range(6)) + "  "
-                out += _wrap(row[6], lead, " " * len(lead), width=max(_WIDTH, len(lead) + 40)) if row[6] else [lead.rstrip()]
+                out += _wrap(row[6], lead, " " * len(lead), width=max(_WIDTH, len(lead) + 60)) if row[6] else [lead.rstrip()]
             for r in s.records:
                 for nm in r.near_misses:
                     out += _wrap(nm, f"  near miss [{r.name}] ", "      ")

@@ -140,7 +140,9 @@ class MetainferBackend:
         self._breaks_seen = dict(counters["graph_break"])
         self._guards_seen = _guard_failure_counts()
         self._compile_ids: set[str] = set()
-        self.phase = "forward"  # what the caller is running: "forward", "prefill" or "decode"
+        # what the caller is running: "forward", "prefill", "decode" (generate) or a serving step's
+        # "prefill" / "decode" / "mixed"; a function is called only when a graph compiles
+        self.phase: "str | Callable[[], str]" = "forward"
         kernel_configs.activate(target)
 
     def call_starts(self) -> None:
@@ -162,7 +164,8 @@ class MetainferBackend:
             self._compile_ids.add(cid)
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
                                inputs=_graph_inputs(gm, example_inputs), lowering=self.lowering,
-                               phase=self.phase, recompile_reasons=recompiled_because[:4])
+                               phase=self.phase() if callable(self.phase) else self.phase,
+                               recompile_reasons=recompiled_because[:4])
         original = copy.deepcopy(gm) if self.capture else None
         t0 = time.perf_counter()
         compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,

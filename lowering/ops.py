@@ -18,16 +18,18 @@ from metainfer import kernels
 from metainfer.kernels import attention as _attention
 from metainfer.kernels import fp8_gemm as _fp8_gemm
 from metainfer.kernels import mla_decode as _mla_decode
+from metainfer.kernels import paged_attention as _paged_attention
 from metainfer.kernels import moe as _moe
 from metainfer.kernels import sparse_attention as _sparse_attention
 from metainfer.kernels import rmsnorm as _rmsnorm
 from metainfer.kernels import rope as _rope
 from metainfer.kernels import swiglu as _swiglu
 
+from . import kv_pool
 from .kernel_configs import config_for
 
 __all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "rope", "fp8_linear", "moe_experts",
-           "sparse_attention", "mla_decode"]
+           "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
 @torch.library.custom_op("metainfer::attention", mutates_args=())
@@ -181,3 +183,51 @@ def mla_decode(q_latent: Tensor, q_pe: Tensor, ckv: Tensor, kpe: Tensor, indices
 @mla_decode.register_fake
 def _(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows):
     return q_latent.new_empty(q_latent.shape)
+
+
+@torch.library.custom_op("metainfer::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tensor], read_index: Optional[Tensor],
+                    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, layer: int, scale: float) -> Tensor:
+    """One layer of a serving step, see metainfer.kernels.paged_attention. With write_index,
+    the new keys and values k, v (Tq, Hkv, D) are written into the KV pool at write_index and
+    q (Tq, Hq, D) attends to each request's keys read in place at read_index (write_index when
+    nothing is cached); without, k and v already hold every request's keys in cu_k order.
+    The pool is the serving step's (lowering/kv_pool.py), written as a collective writes its
+    peers' memory: a side effect outside the arguments, ordered by the data flow of layers."""
+    if write_index is None:
+        k_pool, v_pool, key_index = k, v, None
+    else:
+        k_pool, v_pool = kv_pool.layer_views(layer)
+        k_pool.index_copy_(0, write_index, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, write_index, v.to(v_pool.dtype))
+        key_index = read_index if read_index is not None and read_index.numel() else write_index
+    args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
+    if kernels.use_triton(q):
+        return _paged_attention.launch(*args, config=config_for("paged_attention", q.device))
+    return _paged_attention.cpu_forward(*args)
+
+
+@paged_attention.register_fake
+def _(q, k, v, write_index, read_index, cu_q, cu_k, max_q, max_k, layer, scale):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@torch.library.custom_op("metainfer::paged_latents", mutates_args=())
+def paged_latents(latent: Tensor, rotated_key: Tensor, write_index: Tensor, read_index: Tensor,
+                  layer: int) -> tuple[Tensor, Tensor]:
+    """One MLA layer's cache step: its new latents (Tq, R) and rotated keys (Tq, P) written into
+    the serving step's pool at write_index, and every request's (cached + new) read back at
+    read_index, in cu_k order (the new ones as they are when nothing is cached). As
+    paged_attention, the pool is reached through lowering/kv_pool.py."""
+    latent_pool, rotated_pool = kv_pool.layer_views(layer)
+    latent_pool.index_copy_(0, write_index, latent.to(latent_pool.dtype))
+    rotated_pool.index_copy_(0, write_index, rotated_key.to(rotated_pool.dtype))
+    if read_index.numel() == 0:
+        return latent.clone(), rotated_key.clone()
+    return latent_pool.index_select(0, read_index), rotated_pool.index_select(0, read_index)
+
+
+@paged_latents.register_fake
+def _(latent, rotated_key, write_index, read_index, layer):
+    rows = read_index.shape[0] if read_index.shape[0] != 0 else latent.shape[0]
+    return latent.new_empty((rows, latent.shape[1])), rotated_key.new_empty((rows, rotated_key.shape[1]))

@@ -34,6 +34,8 @@ class OptimizedModel:
         self._backend = backend
         self._forward = model.forward  # bound; what the compiled graphs compute
         self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
+        # a serving engine's packed steps change size every step: symbolic from the first one
+        self._compiled_packed = torch.compile(self._forward, backend=backend, dynamic=True)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
         self._inputs = ModelInputs(model)
@@ -49,7 +51,7 @@ class OptimizedModel:
 
     def __call__(self, *args, **kwargs):
         check_devices(self.target, args, kwargs, what="input")
-        with self._installed(lambda: "forward"):
+        with self._installed(lambda kw: "forward"):
             return self.model(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
@@ -65,23 +67,42 @@ class OptimizedModel:
             # Hugging Face would wrap the forward in its own torch.compile on GPUs
             kwargs.setdefault("disable_compile", True)
         steps = itertools.count()
-        with self._installed(lambda: "prefill" if next(steps) == 0 else "decode"):
+        with self._installed(lambda kw: "prefill" if next(steps) == 0 else "decode"):
             return self.model.generate(*args, **kwargs)
 
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, **kwargs):
+        """transformers' continuous batching `generate_batch`, every forward of the engine running
+        metainfer's graphs (see metainfer.serving); a request that cannot be served fails alone."""
+        from metainfer import serving
+
+        return serving.generate_batch(self, inputs, generation_config, continuous_batching_config, **kwargs)
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 workload_hints=None):
+        """The engine's streaming manager (add_request / get_result / start / stop), its forwards
+        running metainfer's graphs between start() and stop() (see metainfer.serving)."""
+        from metainfer import serving
+
+        return serving.Manager(self, generation_config, continuous_batching_config, workload_hints)
+
     @contextlib.contextmanager
-    def _installed(self, phase):
+    def _installed(self, phase, step=None):
         """Route the model's forward through the compiled graphs: the model's own __call__
-        (hooks included) and generate() loop stay as they are. `phase()` labels each call."""
+        (hooks included) and generate() loop stay as they are. `phase(kwargs)` labels each call
+        (a string, or a function giving it, called only if the call compiles a graph); `step`,
+        if given, is a serving engine's: step(kwargs) is a context for the call, and the call's
+        token ids are packed requests (positions are checked per request, not here)."""
 
         @functools.wraps(self._forward)
         def forward(*args, **kwargs):
             self._refuse_training()
-            args, kwargs, finish = self._inputs.check(args, kwargs)
-            self._backend.phase = phase()
+            args, kwargs, finish = self._inputs.check(args, kwargs, positions=step is None)
+            self._backend.phase = phase(kwargs)
             self._backend.call_starts()
-            with torch.no_grad(), capture.capturable(self.model) as notes:
+            with (torch.no_grad(), capture.capturable(self.model) as notes,
+                  step(kwargs) if step is not None else contextlib.nullcontext()):
                 try:
-                    out = self._compiled(*args, **kwargs)
+                    out = (self._compiled if step is None else self._compiled_packed)(*args, **kwargs)
                 except torch._dynamo.exc.TorchDynamoException as e:
                     raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
             finish()

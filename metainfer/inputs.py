@@ -168,15 +168,18 @@ class ModelInputs:
             return args, {**kwargs, self.token_param: ids}
         return args[:self._token_index] + (ids,) + args[self._token_index + 1:], kwargs
 
-    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[], None]]:
+    def check(self, args: tuple, kwargs: dict, positions: bool = True) -> tuple[tuple, dict, Callable[[], None]]:
         """(args, kwargs) to run the graph on and a finish() to call after it: raises the
-        ValueError of a bad call now, or from finish() where the check is deferred (GPU)."""
+        ValueError of a bad call now, or from finish() where the check is deferred (GPU).
+        `positions=False`: the ids are many requests packed in one row, whose lengths were
+        checked when they were admitted."""
         ids = self.token_ids(args, kwargs)
         if ids is None:
             return args, kwargs, _nothing
         what = self.token_param
         check_dtype(ids, what)
-        check_positions(self.model, ids, kwargs)
+        if positions:
+            check_positions(self.model, ids, kwargs)
         vocab = vocab_size(self.model)
         if vocab is None:
             return args, kwargs, _nothing

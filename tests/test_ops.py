@@ -52,6 +52,10 @@ def deepseek_cases():
                                 torch.randn(2, 9, 8), None, None, 0.2, True, 8, False)),
         (m.mla_decode.default, (torch.randn(2, 4, 5, 32), torch.randn(2, 4, 5, 8), torch.randn(2, 9, 32),
                                 torch.randn(2, 9, 8), idx, None, 0.2, False, 0, False)),
+        # serving, keys given in cu_k order (MLA): two requests of 3 and 1 query tokens over 5 and 4 keys
+        (m.paged_attention.default, (torch.randn(4, 4, 24), torch.randn(9, 2, 24), torch.randn(9, 2, 12), None, None,
+                                     torch.tensor([0, 3, 4], dtype=torch.int32),
+                                     torch.tensor([0, 5, 9], dtype=torch.int32), 3, 5, 0, 0.2)),
     ]
 
 
@@ -73,3 +77,32 @@ def test_outputs_contiguous_and_match_interpreted_kernels(op, args, interpret):
         assert a.is_contiguous() and b.is_contiguous()
         tol = 1e-5 if a.dtype == torch.float32 else 2e-2  # one rounding to bf16 may differ by an ulp
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, equal_nan=True)
+
+
+def test_serving_ops_write_the_active_pool_and_read_it_back(interpret):
+    """paged_attention / paged_latents write the new rows into the pool of the serving step on
+    this thread (lowering/kv_pool.py) and read each request's rows there; opcheck in that step."""
+    from metainfer.kernels import paged_attention as P
+    from metainfer.lowering import kv_pool
+
+    k_pool, v_pool = torch.zeros(12, 2, 16), torch.zeros(12, 2, 16)
+    k_pool[:5], v_pool[:5] = torch.randn(5, 2, 16), torch.randn(5, 2, 16)  # request 0's 5 cached keys
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    write = torch.tensor([5, 9, 6])  # request 0 decodes 1 token (row 5), request 1 prefills 2 (rows 9, 6)
+    read = torch.tensor([0, 1, 2, 3, 4, 5, 9, 6])
+    cu_q, cu_k = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([0, 6, 8], dtype=torch.int32)
+    with kv_pool.active(lambda layer: (k_pool, v_pool)):
+        args = (q, k, v, write, read, cu_q, cu_k, 2, 6, 0, 0.25)
+        torch.library.opcheck(m.paged_attention.default, args, test_utils=("test_faketensor", "test_aot_dispatch_static"))
+        out = m.paged_attention(*args)
+        assert torch.equal(k_pool[write], k) and torch.equal(v_pool[write], v)
+        torch.testing.assert_close(out, P.reference(q, k_pool, v_pool, read, cu_q, cu_k, 0.25))
+        with kernels.interpret(False):
+            torch.testing.assert_close(m.paged_attention(*args), out)
+        lat, rot = torch.zeros(12, 8), torch.zeros(12, 4)
+    with kv_pool.active(lambda layer: (lat, rot)):
+        new_lat, new_rot = torch.randn(3, 8), torch.randn(3, 4)
+        all_lat, all_rot = m.paged_latents(new_lat, new_rot, write, read, 1)
+        assert torch.equal(all_lat, lat[read]) and torch.equal(lat[write], new_lat) and torch.equal(rot[write], new_rot)
+        fresh = m.paged_latents(new_lat, new_rot, write, read[:0], 1)  # nothing cached: the new rows as they are
+        assert torch.equal(fresh[0], new_lat) and torch.equal(fresh[1], new_rot)

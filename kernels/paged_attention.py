@@ -1,0 +1,240 @@
+"""Paged varlen attention: the queries of many requests packed into one batch, each request's
+keys and values read in place from a KV pool through an index, causal per request.
+
+Shapes: q (Tq, Hq, D) packed query tokens, request r owning rows cu_q[r]:cu_q[r+1];
+k_pool (R, Hkv, D) and v_pool (R', Hkv, Dv) the pool's rows (a row index means the same token
+in both); key_index (Tk,) int the pool rows of each request's keys in position order, request
+r's at key_index[cu_k[r]:cu_k[r+1]]; or key_index None when k_pool / v_pool already hold
+every request's keys in that order (MLA, whose keys are decompressed from cached latents).
+A request's queries are its last len_q positions: query i keeps key j iff
+j <= i + len_k - len_q (bottom-right causal; a decode token sees every key). GQA: query
+head h reads kv head h // (Hq // Hkv); K/V are never expanded or copied out of the pool.
+The output is (Tq, Hq, Dv) in q's dtype; accumulation is float32.
+
+The kernel runs one program per (request, block of query rows, kv head, key split): a block's
+rows are (token, query head of the group) pairs, so the group's heads share every K/V tile it
+loads (what decode needs: one token, G heads). With several key splits (flash-decoding, for
+decode steps over long contexts) each split writes its partial max, sum and accumulator and
+`_combine` merges them; with one split the kernel writes the output itself.
+
+Three implementations of the same function:
+- `_paged_fwd`: the Triton kernel;
+- `cpu_forward`: per request, the keys gathered from the pool and attention.cpu_forward
+  (torch's fused SDPA for a fresh prompt, a chunked exact softmax with a cache);
+- `reference`: plain math per request, materialising everything, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import attention
+from ._common import check, check_float, interpreted, next_pow2
+from ._flash import dot, normalise, softmax_step
+
+NAME = "paged_attention"
+MAX_HEAD_DIM = 256
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _paged_fwd(
+    Q, K, V, KI, CU_Q, CU_K, O, WS_ACC, WS_ML,
+    stride_qt, stride_qh, stride_qd,
+    stride_kr, stride_kh, stride_kd,
+    stride_vr, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    group, head_d, head_dv, num_q_heads, total_q, blocks_per_request, split_keys,
+    scale,
+    KEYS_IN_ORDER: tl.constexpr,  # no key index: request r's keys are rows cu_k[r]: of K / V
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    r = pid // blocks_per_request
+    mb = pid % blocks_per_request
+    q0 = tl.load(CU_Q + r).to(tl.int64)
+    len_q = tl.load(CU_Q + r + 1).to(tl.int64) - q0
+    k0 = tl.load(CU_K + r).to(tl.int64)
+    len_k = tl.load(CU_K + r + 1).to(tl.int64) - k0
+    offset = len_k - len_q  # query i is at position i + offset
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head of the group) pairs
+    t = rows // group
+    h = hk * group + rows % group
+    row_ok = t < len_q
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + (q0 + t)[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < head_d), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    lo = split * split_keys
+    last_t = tl.minimum((mb + 1) * BLOCK_M - 1, len_q * group - 1) // group  # the block's last token
+    hi = tl.minimum(tl.minimum(len_k, lo + split_keys), last_t + offset + 1)
+    hi = tl.where(mb * BLOCK_M < len_q * group, hi, lo)  # a block past this request's rows: nothing to do
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        if KEYS_IN_ORDER:
+            kr = k0 + offs_n
+        else:
+            kr = tl.load(KI + k0 + offs_n, mask=col_ok, other=0).to(tl.int64)
+        kt = tl.load(K + kr[None, :] * stride_kr + hk * stride_kh + offs_d[:, None] * stride_kd,
+                     mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
+        s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        keep = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= t[:, None] + offset)
+        s = tl.where(keep, s, float("-inf"))
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
+        v = tl.load(V + kr[:, None] * stride_vr + hk * stride_vh + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < head_dv), other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    tok = q0 + t
+    if SPLIT:
+        # partial results, in (split, token, head) order; merged by _combine
+        base = (split * total_q + tok) * num_q_heads + h
+        tl.store(WS_ACC + base[:, None] * head_dv + offs_dv[None, :], acc,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
+        tl.store(WS_ML + base * 2, m_i, mask=row_ok)
+        tl.store(WS_ML + base * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = normalise(acc, l_i, row_ok, True)
+        tl.store(O + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
+
+
+def _combine(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Merge S splits' (acc, max, sum): acc (S, Tq, Hq, Dv), ml (S, Tq, Hq, 2) -> (Tq, Hq, Dv)."""
+    m, l = ml[..., 0], ml[..., 1]
+    top = m.amax(dim=0)
+    w = torch.exp(m - torch.where(torch.isinf(top), 0.0, top))  # an empty split weighs 0
+    num = (w.unsqueeze(-1) * acc).sum(dim=0)
+    den = (w * l).sum(dim=0)
+    return (num / torch.where(den == 0, 1.0, den).unsqueeze(-1)).to(dtype)
+
+
+def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> None:
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        check_float(NAME, name, t)
+        check(t.dim() == 3, NAME, f"{name} must be 3-D (tokens or rows, heads, head_dim), got {tuple(t.shape)}")
+    check(q.dtype == k_pool.dtype == v_pool.dtype, NAME,
+          f"q, k_pool, v_pool dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_pool.shape[1]
+    check(k_pool.shape[2] == D, NAME, f"q and k head dims differ: {D} vs {k_pool.shape[2]}")
+    check(v_pool.shape[1] == k_pool.shape[1], NAME,
+          f"v_pool {tuple(v_pool.shape)} and k_pool {tuple(k_pool.shape)} have different kv heads")
+    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    check(0 < D <= MAX_HEAD_DIM and 0 < v_pool.shape[2] <= MAX_HEAD_DIM, NAME,
+          f"head dims must be in 1..{MAX_HEAD_DIM}, got {D} and {v_pool.shape[2]}")
+    for name, t in (("key_index", key_index), ("cu_q", cu_q), ("cu_k", cu_k)):
+        if t is None and name == "key_index":
+            continue
+        check(isinstance(t, torch.Tensor) and t.dtype in INDEX_DTYPES and t.dim() == 1, NAME,
+              f"{name} must be a 1-D int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        check(t.device == q.device, NAME, f"{name} is on {t.device}, q on {q.device}")
+    check(cu_q.shape == cu_k.shape and cu_q.numel() >= 1, NAME,
+          f"cu_q and cu_k must both have n_requests + 1 entries, got {cu_q.numel()} and {cu_k.numel()}")
+    check(isinstance(max_q, int) and isinstance(max_k, int) and max_q >= 0 and max_k >= 0, NAME,
+          f"max_q and max_k must be non-negative ints, got {max_q!r}, {max_k!r}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be finite, got {scale!r}")
+
+
+def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
+    """Key splits: only where each request has one query token (decode) and many keys."""
+    forced = config.get("SPLITS")
+    if forced is not None:
+        return max(1, int(forced))
+    if max_q != 1:
+        return 1
+    return max(1, min(config.get("MAX_SPLITS", 8), triton.cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
+
+
+def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float, *,
+           config: dict) -> torch.Tensor:
+    """Run the Triton kernel. max_q / max_k (the longest request's query and key counts) size
+    the grid without reading cu_q / cu_k on the host."""
+    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
+    Tq, Hq, D = q.shape
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+    out = torch.empty((Tq, Hq, Dv), dtype=q.dtype, device=q.device)
+    n = cu_q.numel() - 1
+    if out.numel() == 0 or n == 0 or max_q == 0:
+        return out
+    group = Hq // Hkv
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    splits = _splits(config, max_q, max_k, block_n)
+    split_keys = triton.cdiv(triton.cdiv(max(max_k, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(max_k, 1), split_keys)
+    blocks = triton.cdiv(max_q * group, block_m)
+    if splits > 1:
+        ws_acc = torch.empty((splits, Tq, Hq, Dv), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((splits, Tq, Hq, 2), dtype=torch.float32, device=q.device)
+    else:
+        ws_acc = ws_ml = out  # not written
+    _paged_fwd[(n * blocks, Hkv, splits)](
+        q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws_acc, ws_ml,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
+        group, D, Dv, Hq, Tq, blocks, split_keys,
+        float(scale),
+        KEYS_IN_ORDER=key_index is None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+    )
+    return _combine(ws_acc, ws_ml, q.dtype) if splits > 1 else out
+
+
+def _requests(cu_q, cu_k):
+    """(query rows, key rows) of each request, read on the host."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [((cq[i], cq[i + 1]), (ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float) -> torch.Tensor:
+    """Plain math in float32 per request (K/V gathered and expanded, full score matrix)."""
+    out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
+    group = q.shape[1] // k_pool.shape[1]
+    for (q0, q1), (k0, k1) in _requests(cu_q, cu_k):
+        rows = torch.arange(k0, k1, device=q.device) if key_index is None else key_index[k0:k1].long()
+        k = k_pool[rows].float().repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, Sk, D)
+        v = v_pool[rows].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        s = (q[q0:q1].float().transpose(0, 1) @ k.transpose(1, 2)) * scale  # (Hq, Sq, Sk)
+        sq, sk = q1 - q0, k1 - k0
+        keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(nan=0.0)
+        out[q0:q1] = (p @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Per request: its keys gathered from the pool (O(its keys)), then attention's CPU path."""
+    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
+    out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
+    for (q0, q1), (k0, k1) in _requests(cu_q, cu_k):
+        if q1 == q0:
+            continue
+        if key_index is None:
+            k, v = k_pool[k0:k1].transpose(0, 1).unsqueeze(0), v_pool[k0:k1].transpose(0, 1).unsqueeze(0)
+        else:
+            rows = key_index[k0:k1]
+            k = k_pool.index_select(0, rows).transpose(0, 1).unsqueeze(0)  # (1, Hkv, Sk, D)
+            v = v_pool.index_select(0, rows).transpose(0, 1).unsqueeze(0)
+        qr = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, Hq, Sq, D)
+        o = attention.cpu_forward(qr, k, v, None, scale, True, (k1 - k0) - (q1 - q0), zero_empty_rows=True)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out

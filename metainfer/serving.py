@@ -1,0 +1,377 @@
+"""Serving many requests: transformers' continuous batching engine running metainfer's graphs.
+
+    opt = metainfer.optimize(model, "cpu")
+    outputs = opt.generate_batch(inputs=[[1, 2, 3], [4, 5]], max_new_tokens=32)
+    manager = opt.init_continuous_batching(); manager.start(); manager.add_request([1, 2, 3]); ...
+
+The engine (scheduler, paged KV pool, prefix blocks, chunked prefill) is transformers'. metainfer
+is its compiler and kernels:
+
+- every forward the engine runs goes through the OptimizedModel's compiled graphs, labelled in
+  the report by the step they first served (prefill, decode or mixed);
+- attention is metainfer's paged kernel (metainfer::paged_attention), reached through the
+  engine's documented extension point, its attention-function registry: each request's keys
+  and values are read in place from the pool, causal per request, and no dense
+  [tokens x keys] mask is built (the engine builds one only for its eager and SDPA paths);
+- the engine's per-layer cache update is compiler-disabled (a graph break in every layer);
+  while metainfer serves, each engine cache's `update` only hands the layer's read and write
+  indices to the attention op, which writes the new keys and values into the pool itself, so
+  a step is one graph. The pool is reached through lowering/kv_pool.py, not as a graph input;
+- a request that cannot be served (empty, not token ids, ids outside the vocabulary, longer
+  than the model's positions, or more tokens than the pool can ever hold) fails alone, with
+  the reason in its output's `error`; the others are served.
+
+Models with sliding-window layers run through the engine's own attention (the report says so):
+the paged kernel has no window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from metainfer import inputs
+
+ATTENTION_NAME = "metainfer_paged_flash"  # the engine admits custom attention names containing "flash"
+_STEP_KEY = "metainfer_kv"  # what the cache update hands the attention: (layer, read index, write index)
+
+
+# ---- the engine's extension points ---------------------------------------------------------
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: query (1, Hq, T, D) of the packed step, key/value
+    (1, Hkv, T, D) its new keys and values; returns (1, T, Hq, Dv)."""
+    step = kwargs.get(_STEP_KEY)
+    if step is None:
+        raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside metainfer's serving steps "
+                           "(OptimizedModel.generate_batch or init_continuous_batching)")
+    layer, read_index, write_index = step
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.metainfer.paged_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), write_index, read_index,
+        kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"], layer,
+        scale)
+    return out.unsqueeze(0), None
+
+
+def _update(self, key_states, value_states, layer_idx, kwargs):
+    """PagedAttentionCache.update while metainfer serves, traceable (no graph break): this
+    layer's indices selected as the engine's update selects them; keys and values are left to
+    the attention op, which writes them into the pool; an MLA layer's latents are written and
+    read back by metainfer::paged_latents (the model decompresses them into keys after)."""
+    allocator = self.layer_to_allocator[layer_idx]
+    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
+    kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+    read, write = kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index]
+    if _is_mla(allocator):  # (1, 1, T, R) and (1, 1, T, P) latents
+        latent, rotated = torch.ops.metainfer.paged_latents(key_states[0, 0], value_states[0, 0], write, read,
+                                                             layer_idx)
+        kwargs[_STEP_KEY] = (layer_idx, None, None)
+        return latent[None, None], rotated[None, None]
+    kwargs[_STEP_KEY] = (layer_idx, read, write)
+    return key_states, value_states
+
+
+def _is_mla(allocator) -> bool:
+    return hasattr(allocator, "_latent_token_views")
+
+
+def _register_attention() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ALL_ATTENTION_FUNCTIONS.get(ATTENTION_NAME) is not paged_attention_forward:
+        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = paged_attention_forward
+
+
+def paged_attention_unsupported(model) -> str | None:
+    """Why metainfer's paged attention cannot serve this model (None if it can)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types_ = set(getattr(cfg, "layer_types", None) or ())
+    if types_ - {"full_attention"} or (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
+        return "it has sliding-window layers (the paged kernel has no window)"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "its attention is soft-capped"
+    return None
+
+
+class _Step:
+    """Per engine forward: the cache's update made traceable, the pool active for the op."""
+
+    def __init__(self, paged: bool):
+        self.paged = paged
+
+    def __call__(self, kwargs):
+        cache = kwargs.get("cache")
+        if not self.paged or cache is None:
+            return contextlib.nullcontext()
+        if getattr(cache.update, "__func__", None) is not _update:
+            cache.update = types.MethodType(_update, cache)  # this cache instance only
+
+        def views(layer: int):
+            allocator = cache.layer_to_allocator[layer]
+            return (allocator._latent_token_views if _is_mla(allocator) else allocator._kv_token_views)[layer]
+
+        from metainfer.lowering import kv_pool
+
+        return kv_pool.active(views)
+
+
+def step_label(kwargs) -> str:
+    """prefill, decode or mixed: what the requests of a packed step are doing (read only when
+    the step compiles a graph: it reads the batch's lengths on the host)."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_q is None:
+        return "forward"
+    q = cu_q.diff().tolist()
+    k = next(iter(cu_k.values())).diff().tolist() if isinstance(cu_k, dict) else cu_k.diff().tolist()
+    decode = [lq == 1 and lk > 1 for lq, lk in zip(q, k)]
+    return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+
+
+# ---- capacity ------------------------------------------------------------------------------
+
+@dataclass
+class Capacity:
+    """The engine's pool and batch sizes as metainfer chose them, and why."""
+
+    num_blocks: int
+    page_size: int
+    max_batch_tokens: int
+    why: str
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.page_size
+
+
+def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
+                    max_batch_tokens: int = 8192) -> Capacity:
+    """KV pool from the target's memory: what is left after the weights and one step's
+    activations, capped, when the workload is known (`request_tokens`: each request's prompt
+    plus new tokens), at what it can ever hold at once (every request whole)."""
+    from metainfer import planner, shapes
+
+    model, target = opt.model, opt.target
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shape = dataclasses.replace(shapes.from_hf(cfg), act_bytes=next(model.parameters()).element_size())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = shape.kv_bytes_per_token()
+    act_per_token = planner._activation_per_token(shape, planner.Plan(tp=1, dp=1, pp=1, ep=1))
+    rows = len(request_tokens) if request_tokens else 256  # logits rows of one step (float32)
+    activations = max_batch_tokens * act_per_token + rows * shape.vocab * 4
+    usable = target.device.memory_bytes * planner.MEMORY_UTILIZATION
+    budget = usable - weights - activations
+    if budget < kv_per_token * page_size:
+        raise ValueError(f"target {target.name}: {usable / 2**30:.1f} GiB usable leaves no room for a KV pool after "
+                         f"{weights / 2**30:.2f} GiB of weights and {activations / 2**30:.2f} GiB of activations at "
+                         f"{max_batch_tokens} batch tokens")
+    by_memory = int(budget // (kv_per_token * page_size))
+    memory = (f"target {target.name}'s memory ({target.device.memory_bytes / 2**30:.0f} GiB x "
+              f"{planner.MEMORY_UTILIZATION:.0%}) after {weights / 2**20:.1f} MiB of weights and "
+              f"{activations / 2**20:.1f} MiB of activations at {max_batch_tokens} batch tokens")
+    if request_tokens:
+        need = sum(math.ceil(n / page_size) for n in request_tokens) + 1
+        num_blocks = max(1, min(by_memory, need))
+        reason = (f"what the {len(request_tokens)} requests can hold at once ({memory} would allow {by_memory})"
+                  if num_blocks == need else f"{memory}; the workload could use {need}")
+    else:
+        num_blocks, reason = by_memory, memory
+    why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * page_size * kv_per_token / 2**20:.1f} MiB, "
+           f"{kv_per_token:.0f} B per token): {reason}; max_batch_tokens {max_batch_tokens}")
+    return Capacity(num_blocks, page_size, max_batch_tokens, why)
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+def request_problem(opt, tokens, max_new_tokens: int, pool_tokens: int | None, page_size: int) -> str | None:
+    """Why one request cannot be served (None if it can)."""
+    vocab = inputs.vocab_size(opt.model)
+    err = inputs.request_error(tokens, vocab)
+    if err is not None:
+        return err
+    limit = getattr(opt.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and len(tokens) > limit:
+        return f"prompt of {len(tokens)} tokens is longer than the model's {limit} positions"
+    if pool_tokens is not None:
+        need = math.ceil((len(tokens) + max_new_tokens) / page_size) * page_size
+        if need > pool_tokens:
+            return (f"prompt of {len(tokens)} tokens + {max_new_tokens} new needs {need} tokens of KV pool "
+                    f"({need // page_size} blocks of {page_size}); the pool holds {pool_tokens}")
+    return None
+
+
+def _failed(request_id: str, tokens, why: str):
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+    return GenerationOutput(request_id=request_id, prompt_ids=list(tokens) if isinstance(tokens, (list, tuple)) else [],
+                            error=why, status=RequestStatus.FAILED)
+
+
+# ---- entry points --------------------------------------------------------------------------
+
+def _engine_config(opt, cb_config, request_tokens: list[int] | None):
+    """The engine's config with metainfer's capacity where the user left it open."""
+    from transformers import ContinuousBatchingConfig
+
+    cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
+    page = cfg.page_size
+    if cfg.num_blocks is not None and cfg.max_batch_tokens is not None:
+        cap = Capacity(cfg.num_blocks, page, cfg.max_batch_tokens,
+                       f"KV pool {cfg.num_blocks} blocks x {page} tokens and max_batch_tokens {cfg.max_batch_tokens}, "
+                       "as given")
+    else:
+        cap = choose_capacity(opt, request_tokens, page, cfg.max_batch_tokens or 8192)
+        cfg = dataclasses.replace(cfg, num_blocks=cfg.num_blocks or cap.num_blocks,
+                                  max_batch_tokens=cfg.max_batch_tokens or cap.max_batch_tokens)
+    return cfg, cap
+
+
+@contextlib.contextmanager
+def attention(opt):
+    """metainfer's paged attention as the model's attention, where it can serve the model: set
+    before the engine starts (which then keeps it), the model's own restored after. Yields
+    whether it is in use."""
+    model = opt.model
+    why_not = paged_attention_unsupported(model)
+    original = model.config._attn_implementation
+    if why_not is None:
+        _register_attention()
+        model.config._attn_implementation = ATTENTION_NAME
+    note = (f"serving: attention is metainfer.paged_attention over the engine's KV pool (was {original!r})"
+            if why_not is None else
+            f"serving: the engine's own {original!r} attention (with its dense mask and a graph break per layer), "
+            f"since {why_not}")
+    if note not in opt.report.notes:
+        opt.report.notes.append(note)
+    try:
+        yield why_not is None
+    finally:
+        model.config._attn_implementation = original
+
+
+def forwards(opt, paged: bool):
+    """While the engine runs: its forwards through the compiled graphs."""
+    return opt._installed(lambda kw: (lambda: step_label(kw)), step=_Step(paged))
+
+
+def generate_batch(opt, prompts, generation_config=None, continuous_batching_config=None, progress_bar=False,
+                   warmup=True, **kwargs) -> dict:
+    """OptimizedModel.generate_batch: results in input order, keyed by request id; a request
+    that cannot be served is FAILED with the reason and the others are served."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    if not prompts:
+        return {}
+    model = opt.model
+    gen = model.generation_config if generation_config is None else generation_config
+    max_new = kwargs.pop("max_new_tokens", None)
+    max_new = gen.max_new_tokens if max_new is None else max_new
+    if max_new is None:
+        max_new = 20  # transformers' GenerationConfig default max_length budget
+    if kwargs:
+        raise TypeError(f"generate_batch got unexpected arguments {sorted(kwargs)}")
+    valid = [p for p in prompts if inputs.request_error(p, None) is None]
+    cfg, cap = _engine_config(opt, continuous_batching_config, [len(p) + max_new for p in valid] or None)
+    note = f"serving capacity: {cap.why}"
+    if note not in opt.report.notes:
+        opt.report.notes.append(note)
+    problems = [request_problem(opt, p, max_new, cap.tokens, cap.page_size) for p in prompts]
+    good = [i for i, why in enumerate(problems) if why is None]
+    results: dict[int, list] = {}
+    if good:
+        hints = WorkloadHints(max_prompt_length=max(len(prompts[i]) for i in good), max_generated_length=max_new,
+                              num_requests=len(good))
+        with attention(opt) as paged, forwards(opt, paged), model.continuous_batching_context_manager(
+                generation_config=generation_config, continuous_batching_config=cfg, block=True, timeout=60,
+                warmup=warmup, workload_hints=hints) as manager:
+            ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new)
+            owner = {rid: i for rid, i in zip(ids, good)}
+            pending = set(ids) | {f"{rid}__child#{c}" for rid in ids for c in range(manager.num_return_sequences - 1)}
+            while pending:
+                out = manager.get_result(timeout=1)
+                if out is None:
+                    if not manager.is_running():
+                        break
+                    continue
+                if out.is_finished() and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results.setdefault(owner[out.request_id.split("__child#")[0]], []).append(out)
+            for rid in pending:  # the engine stopped before finishing them
+                results.setdefault(owner[rid.split("__child#")[0]], []).append(
+                    _failed(rid, prompts[owner[rid.split("__child#")[0]]], "the engine stopped before finishing it"))
+    ordered = {}
+    for i, p in enumerate(prompts):
+        if problems[i] is not None:
+            ordered[f"rejected_{i}"] = _failed(f"rejected_{i}", p, problems[i])
+            continue
+        for out in sorted(results.get(i, []), key=lambda o: ("__child#" not in o.request_id, o.request_id)):
+            ordered[out.request_id] = out
+    return ordered
+
+
+class Manager:
+    """The engine's ContinuousBatchingManager with its forwards on metainfer's graphs between
+    start() and stop() (call both from the same thread), and requests checked on admission:
+    add_request raises ValueError for one that cannot be served."""
+
+    def __init__(self, opt, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        self._opt = opt
+        hints = workload_hints
+        tokens = ([hints.max_prompt_length + hints.max_generated_length] * hints.num_requests
+                  if hints and hints.num_requests else None)
+        cfg, self.capacity = _engine_config(opt, continuous_batching_config, tokens)
+        self._attention = attention(opt)
+        self._paged = self._attention.__enter__()  # before the engine starts: it keeps this attention
+        self._forwards = None
+        try:
+            self._manager = opt.model.init_continuous_batching(generation_config=generation_config,
+                                                              continuous_batching_config=cfg, workload_hints=hints)
+        except BaseException:
+            self._attention.__exit__(None, None, None)
+            raise
+
+    def start(self) -> None:
+        self._forwards = forwards(self._opt, self._paged)
+        self._forwards.__enter__()
+        try:
+            self._manager.start()
+        except BaseException:
+            self._close()
+            raise
+
+    def stop(self, *args, **kwargs) -> None:
+        """Stops the engine; the model's own attention is back afterwards."""
+        try:
+            self._manager.stop(*args, **kwargs)
+        finally:
+            self._close()
+            self._attention.__exit__(None, None, None)
+
+    def _close(self) -> None:
+        if self._forwards is not None:
+            f, self._forwards = self._forwards, None
+            f.__exit__(None, None, None)
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kwargs):
+        max_new = self._manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        why = request_problem(self._opt, input_ids, max_new or 0, self.capacity.tokens, self.capacity.page_size)
+        if why is not None:
+            raise ValueError(f"request refused: {why}")
+        return self._manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

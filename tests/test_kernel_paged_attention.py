@@ -1,0 +1,94 @@
+"""Paged varlen attention under the interpreter and its CPU path, against the reference, on
+hypothesis-drawn batches: requests of different query and cached lengths, keys scattered over
+the pool, GQA groups, head dims that are not block multiples, key splits."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from metainfer.kernels import KernelInputError
+from metainfer.kernels import paged_attention as P
+from metainfer.lowering.kernel_configs import config_for
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def batch(lengths, hkv, group, d, dv, dtype, spare=7, seed=0):
+    """Packed queries and a pool whose rows hold each request's keys in a random order of rows."""
+    g = torch.Generator().manual_seed(seed)
+    len_q = [q for q, _ in lengths]
+    len_k = [q + past for q, past in lengths]
+    rows = sum(len_k) + spare
+    k_pool = torch.randn(rows, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(rows, hkv, dv, generator=g).to(dtype)
+    key_index = torch.randperm(rows, generator=g)[:sum(len_k)]
+    q = torch.randn(sum(len_q), hkv * group, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0] + len_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + len_k).cumsum(0).to(torch.int32)
+    return q, k_pool, v_pool, key_index, cu_q, cu_k, max(len_q), max(len_k)
+
+
+def close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 30)), min_size=1, max_size=4),
+       hkv=st.integers(1, 2), group=st.integers(1, 3), d=st.sampled_from([8, 16, 24, 40]),
+       same_dv=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       splits=st.integers(1, 3))
+def test_kernel_and_cpu_path_against_reference(lengths, hkv, group, d, same_dv, dtype, splits, interpret):
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = batch(lengths, hkv, group, d, d if same_dv else 8, dtype)
+    scale = d ** -0.5
+    ref = P.reference(q, kp, vp, ki, cu_q, cu_k, scale)
+    cfg = {**config_for("paged_attention", q.device), "SPLITS": splits}
+    close(P.launch(q, kp, vp, ki, cu_q, cu_k, mq, mk, scale, config=cfg), ref, dtype)
+    close(P.cpu_forward(q, kp, vp, ki, cu_q, cu_k, mq, mk, scale), ref, dtype)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=3),
+       group=st.integers(1, 3), splits=st.integers(1, 2))
+def test_keys_given_in_order(lengths, group, splits, interpret):
+    """No key index: K/V hold each request's keys in cu_k order (MLA's decompressed keys)."""
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = batch(lengths, 1, group, 24, 16, torch.float32)
+    k, v = kp[ki], vp[ki]  # the keys in order
+    ref = P.reference(q, kp, vp, ki, cu_q, cu_k, 0.3)
+    cfg = {**config_for("paged_attention", q.device), "SPLITS": splits}
+    close(P.launch(q, k, v, None, cu_q, cu_k, mq, mk, 0.3, config=cfg), ref, torch.float32)
+    close(P.cpu_forward(q, k, v, None, cu_q, cu_k, mq, mk, 0.3), ref, torch.float32)
+
+
+@settings(max_examples=15, deadline=None)
+@given(contexts=st.lists(st.integers(1, 90), min_size=1, max_size=5), group=st.integers(1, 4))
+def test_decode_batch_split_over_keys(contexts, group, interpret):
+    """One query token per request (decode) over long contexts: the split the launcher picks."""
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(1, c) for c in contexts], 2, group, 16, 16, torch.float32)
+    cfg = {**config_for("paged_attention", q.device), "KEYS_PER_SPLIT": 16, "MAX_SPLITS": 8}
+    assert P._splits(cfg, mq, mk, cfg["BLOCK_N"]) > 1 or mk <= 16
+    close(P.launch(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.25, config=cfg),
+          P.reference(q, kp, vp, ki, cu_q, cu_k, 0.25), torch.float32)
+
+
+def test_a_hand_made_case():
+    """Two requests, one head: a fresh prompt of 2 tokens and a decode token after 2 cached
+    keys. Keys 1 everywhere, values = row number, so each output is the mean of the rows kept."""
+    k_pool = torch.ones(6, 1, 4)
+    v_pool = torch.arange(6.0)[:, None, None].expand(6, 1, 4).contiguous()
+    key_index = torch.tensor([4, 1, 0, 5, 3])  # request 0: rows 4, 1; request 1: rows 0, 5, 3
+    cu_q, cu_k = torch.tensor([0, 2, 3]), torch.tensor([0, 2, 5])
+    q = torch.ones(3, 1, 4)
+    out = P.cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, 2, 3, 1.0)
+    torch.testing.assert_close(out[:, 0, 0], torch.tensor([4.0, 2.5, (0 + 5 + 3) / 3]))
+    torch.testing.assert_close(out, P.reference(q, k_pool, v_pool, key_index, cu_q, cu_k, 1.0))
+
+
+def test_bad_inputs_are_named():
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(2, 1)], 1, 1, 8, 8, torch.float32)
+    with pytest.raises(KernelInputError, match="query heads \\(3\\) must be a multiple of kv heads \\(2\\)"):
+        P.check_inputs(torch.zeros(3, 3, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), ki, cu_q, cu_k, 2, 3, 1.0)
+    with pytest.raises(KernelInputError, match="key_index must be a 1-D int32/int64 tensor"):
+        P.check_inputs(q, kp, vp, ki.float(), cu_q, cu_k, mq, mk, 1.0)
+    with pytest.raises(KernelInputError, match="cu_q and cu_k must both have n_requests \\+ 1 entries"):
+        P.check_inputs(q, kp, vp, ki, cu_q, cu_k[:1], mq, mk, 1.0)

@@ -1,0 +1,132 @@
+"""Serving through transformers' continuous batching engine with metainfer as its compiler:
+greedy tokens equal to the plain engine's, one graph per step, bounded compiles, bad
+requests failing alone, the streaming manager, capacity from the target."""
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import metainfer
+from metainfer import serving
+from metainfer.testing import tiny_hf_model
+
+DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                n_shared_experts=1, first_k_dense_replace=1)
+GREEDY = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
+SMALL = dict(num_blocks=32, page_size=16, max_batch_tokens=64)  # chunked prefill, mixed steps
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def tokens(results):
+    return [r.generated_tokens for r in results.values()]
+
+
+@pytest.mark.parametrize("arch, attn, extra", [("Llama", "sdpa", {}), ("Llama", "eager", {}), ("Qwen2", "sdpa", {}),
+                                               ("DeepseekV3", "sdpa", DEEPSEEK)])
+def test_greedy_tokens_equal_the_plain_engine(arch, attn, extra):
+    torch._dynamo.reset()  # transformers' forward wrappers are shared code: start from no compiled graph
+    model = tiny_hf_model(arch, attn=attn, **extra)
+    reqs = prompts((5, 17, 33, 9, 64, 2))
+    plain = model.generate_batch(reqs, generation_config=GREEDY,
+                                 continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    assert all(r.error is None and len(r.generated_tokens) == 6 for r in out.values())
+    assert tokens(out) == tokens(plain)
+    report = opt.report
+    assert not report.graph_breaks, "the cache update is traced: one graph per step"
+    assert {s.phase for s in report.sections} >= {"prefill", "decode"}
+    assert len(report.sections) <= 6, report.compiles()
+    assert any("paged_attention over the engine's KV pool" in n for n in report.notes)
+    assert model.config._attn_implementation == attn, "the model's attention is restored"
+
+
+def test_bad_requests_fail_alone():
+    model = tiny_hf_model("Llama", layers=1, max_position_embeddings=64)
+    good = prompts((7, 12))
+    cfg = ContinuousBatchingConfig(**SMALL)  # 32 blocks x 16 tokens = 512 tokens of pool
+    gen = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    reqs = [good[0], [], [1, 128, 2], [5] * 65, "hello", good[1]]
+    out = opt.generate_batch(reqs, generation_config=gen, continuous_batching_config=cfg)
+    errors = [r.error for r in out.values()]
+    assert errors[0] is None and errors[-1] is None
+    assert errors[1] == "prompt is empty"
+    assert errors[2] == "prompt[1] = 128 is not a token id: the model's vocabulary is 128 ids (0..127)"
+    assert errors[3] == "prompt of 65 tokens is longer than the model's 64 positions"
+    assert "list of integer token ids" in errors[4]
+    plain = model.generate_batch(good, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    assert [list(out.values())[i].generated_tokens for i in (0, 5)] == tokens(plain)
+    huge = opt.generate_batch([good[0]], generation_config=GenerationConfig(do_sample=False, max_new_tokens=600,
+                                                                            eos_token_id=-1, pad_token_id=0),
+                              continuous_batching_config=cfg)
+    (only,) = huge.values()
+    assert only.error == ("prompt of 7 tokens + 600 new needs 608 tokens of KV pool (38 blocks of 16); the pool "
+                          "holds 512")
+
+
+def test_the_streaming_manager():
+    model = tiny_hf_model("Llama", layers=1)
+    original = model.config._attn_implementation
+    reqs = prompts((9, 20, 4))
+    plain = model.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    with opt.init_continuous_batching(generation_config=GREEDY,
+                                      continuous_batching_config=ContinuousBatchingConfig(**SMALL)) as manager:
+        ids = [manager.add_request(r) for r in reqs]
+        with pytest.raises(ValueError, match="request refused: prompt is empty"):
+            manager.add_request([])
+        got = {}
+        while len(got) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None, "the engine stopped"
+            if r.is_finished():
+                got[r.request_id] = r.generated_tokens
+    assert [got[i] for i in ids] == tokens(plain)
+    assert opt.report.sections, "the manager's steps ran metainfer's graphs"
+    assert model.config._attn_implementation == original
+
+
+def test_capacity_comes_from_the_target_and_the_workload():
+    model = tiny_hf_model("Llama", layers=1)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    reqs = prompts((10, 40, 25))
+    cap = serving.choose_capacity(opt, [len(r) + 20 for r in reqs], page_size=16, max_batch_tokens=256)
+    # every request whole at once: ceil(30/16) + ceil(60/16) + ceil(45/16) = 2 + 4 + 3, plus one spare
+    assert cap.num_blocks == 10 and "what the 3 requests can hold at once" in cap.why
+    # unknown workload: the target's memory after the weights and a step's activations
+    kv_token = 2 * 1 * 2 * 16 * 4  # K and V x 1 layer x 2 kv heads x head_dim 16 x float32
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    by_memory = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256)
+    usable = opt.target.device.memory_bytes * 0.9
+    assert by_memory.num_blocks * 16 * kv_token <= usable - weights
+    assert by_memory.num_blocks * 16 * kv_token > usable - weights - 256 * 1e5 - 256 * 128 * 4 - 16 * kv_token
+    out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(
+        page_size=16, max_batch_tokens=256))  # 6 new tokens: 1 + 3 + 2 blocks, plus one spare
+    assert all(r.error is None for r in out.values())
+    assert any(n.startswith("serving capacity: KV pool 7 blocks x 16 tokens") for n in opt.report.notes)
+
+
+def test_the_attention_refuses_to_run_outside_a_serving_step():
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="runs only inside metainfer's serving steps"):
+        serving.paged_attention_forward(None, q, q, q, None, scaling=1.0)
+    with pytest.raises(RuntimeError, match="no KV pool is active on this thread"):
+        torch.ops.metainfer.paged_attention(q[0], q[0], q[0], torch.zeros(4, dtype=torch.long), None,
+                                            torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4, 0, 1.0)
+
+
+def test_inductor_lowering_serves_the_same_tokens():
+    model = tiny_hf_model("Llama", layers=1)
+    reqs = prompts((6, 30))
+    plain = model.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    opt = metainfer.optimize(model, "cpu")
+    out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    assert tokens(out) == tokens(plain)
+    assert all(s.lowering == "inductor" for s in opt.report.sections)

@@ -19,8 +19,8 @@ decode steps over long contexts) each split writes its partial max, sum and accu
 
 Three implementations of the same function:
 - `_paged_fwd`: the Triton kernel;
-- `cpu_forward`: per request, the keys gathered from the pool and attention.cpu_forward
-  (torch's fused SDPA for a fresh prompt, a chunked exact softmax with a cache);
+- `cpu_forward`: torch's fused SDPA on the keys gathered from the pool, the decode requests
+  of a step in one call;
 - `reference`: plain math per request, materialising everything, for tests.
 """
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import attention
 from ._common import check, check_float, interpreted, next_pow2
 from ._flash import dot, normalise, softmax_step
 
@@ -222,19 +222,47 @@ def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float) -> torch.T
 
 
 def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """Per request: its keys gathered from the pool (O(its keys)), then attention's CPU path."""
+    """CPU path: torch's fused SDPA kernel on keys gathered from the pool (O(the keys used)).
+    Decode requests (one query token, every key kept) go in one call, their keys padded to
+    the longest and the padding masked; each other request in its own call, causal (a fresh
+    prompt) or with its bottom-right mask (a prompt chunk after cached tokens)."""
     check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
-    for (q0, q1), (k0, k1) in _requests(cu_q, cu_k):
-        if q1 == q0:
+    gqa = q.shape[1] != k_pool.shape[1]
+    requests = _requests(cu_q, cu_k)
+    decode = [i for i, ((q0, q1), _) in enumerate(requests) if q1 - q0 == 1]
+    if decode:
+        _decode_batch(q, k_pool, v_pool, key_index, [requests[i] for i in decode], scale, gqa, out)
+    for (q0, q1), (k0, k1) in requests:
+        sq, sk = q1 - q0, k1 - k0
+        if sq <= 1:
             continue
         if key_index is None:
-            k, v = k_pool[k0:k1].transpose(0, 1).unsqueeze(0), v_pool[k0:k1].transpose(0, 1).unsqueeze(0)
+            k, v = k_pool[k0:k1], v_pool[k0:k1]
         else:
             rows = key_index[k0:k1]
-            k = k_pool.index_select(0, rows).transpose(0, 1).unsqueeze(0)  # (1, Hkv, Sk, D)
-            v = v_pool.index_select(0, rows).transpose(0, 1).unsqueeze(0)
-        qr = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, Hq, Sq, D)
-        o = attention.cpu_forward(qr, k, v, None, scale, True, (k1 - k0) - (q1 - q0), zero_empty_rows=True)
+            k, v = k_pool.index_select(0, rows), v_pool.index_select(0, rows)
+        qr, k, v = q[q0:q1].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if sk == sq:
+            o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_batch(q, k_pool, v_pool, key_index, requests, scale: float, gqa: bool, out: torch.Tensor) -> None:
+    """One query token per request: one SDPA call over every request's keys, padded."""
+    rows_q = torch.tensor([q0 for (q0, _), _ in requests], device=q.device)
+    start = torch.tensor([k0 for _, (k0, _) in requests], device=q.device)
+    length = torch.tensor([k1 - k0 for _, (k0, k1) in requests], device=q.device)
+    span = torch.arange(int(length.max()), device=q.device)
+    keep = span[None, :] < length[:, None]  # (B, Skmax)
+    pos = start[:, None] + torch.minimum(span[None, :], length[:, None] - 1)  # padding repeats the last key
+    rows = pos if key_index is None else key_index[pos]
+    k = k_pool[rows].permute(0, 2, 1, 3)  # (B, Hkv, Skmax, D)
+    v = v_pool[rows].permute(0, 2, 1, 3)
+    o = F.scaled_dot_product_attention(q[rows_q][:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale,
+                                       enable_gqa=gqa)  # (B, Hq, 1, Dv)
+    out[rows_q] = o[:, :, 0]

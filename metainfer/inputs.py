@@ -64,10 +64,8 @@ def request_error(tokens, vocab: int | None, what: str = "prompt") -> str | None
             return f"{what}[{i}] is {t!r} ({type(t).__name__}), not an integer token id"
     if not tokens:
         return f"{what} is empty"
-    if vocab is not None:
-        err = out_of_range(torch.tensor(tokens, dtype=torch.int64), vocab, what)
-        if err is not None:
-            return str(err)
+    if vocab is not None and (min(tokens) < 0 or max(tokens) >= vocab):
+        return str(out_of_range(torch.tensor(tokens, dtype=torch.int64), vocab, what))
     return None
 
 

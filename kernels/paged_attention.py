@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import attention
 from ._common import check, check_float, interpreted, next_pow2
 from ._flash import dot, normalise, softmax_step
 
@@ -224,8 +225,9 @@ def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float) -> torch.T
 def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
     """CPU path: torch's fused SDPA kernel on keys gathered from the pool (O(the keys used)).
     Decode requests (one query token, every key kept) go in one call, their keys padded to
-    the longest and the padding masked; each other request in its own call, causal (a fresh
-    prompt) or with its bottom-right mask (a prompt chunk after cached tokens)."""
+    the longest and the padding masked; each other request in its own call: causal SDPA for a
+    fresh prompt, attention.cpu_forward's query-chunked softmax (memory O(chunk x keys), no
+    [queries x keys] mask) for a prompt chunk after cached tokens."""
     check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
@@ -245,9 +247,8 @@ def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int
         qr, k, v = q[q0:q1].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if sk == sq:
             o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
-            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+        else:  # a chunk after cached tokens: bottom-right causal, in query chunks of bounded memory
+            o = attention.cpu_forward(qr, k, v, None, scale, True, sk - sq, zero_empty_rows=True)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
 

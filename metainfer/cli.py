@@ -173,6 +173,40 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_bench_serving(a) -> int:
+    target = _target(a.target)
+    _device_for(target)
+    from metainfer import servebench
+
+    if a.workload:
+        try:
+            workload = servebench.Workload.load(a.workload)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--workload {a.workload}: {e}") from None
+    else:
+        workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output,
+                                                 prefix_groups=a.prefix_groups, prefix_tokens=a.prefix_tokens,
+                                                 arrival_rate=a.arrival_rate)
+    if a.model not in servebench.MODELS and not a.model.endswith(".json") and not Path(a.model).is_dir():
+        raise UsageError(f"--model {a.model}: neither a benchmark model ({', '.join(servebench.MODELS)}) nor a Hugging "
+                         "Face config.json")
+    try:
+        model = servebench.build_model(a.model, attn=a.attn)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--model {a.model}: {e}") from None
+    cfg = {k: v for k, v in (("num_blocks", a.num_blocks), ("max_batch_tokens", a.max_batch_tokens),
+                             ("page_size", a.page_size)) if v is not None} or None
+    rows = servebench.run(model, workload, target=target, variants=a.variants, cb_config=cfg,
+                          lowering=a.lowering)
+    print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens "
+          f"(+{workload.prefix_tokens} shared per prefix group), engine config {cfg or 'each engine its own'}")
+    print(servebench.table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in rows]},
+                                           indent=2, default=str))
+    return 0
+
+
 def cmd_targets(a) -> int:
     from metainfer import targets
 
@@ -259,6 +293,39 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--weights", choices=("bf16", "fp8"), help="weight precision (default: the model's own)")
     pl.add_argument("--json", action="store_true", help="print the candidates and choices as JSON")
     pl.set_defaults(fn=cmd_plan)
+
+    b = sub.add_parser("bench-serving", help="serve a workload of many requests with transformers' continuous "
+                       "batching, plain, with Inductor and with metainfer, side by side (input/output tok/s)",
+                       description="Serve one workload several ways in one run and print input and output tokens/s, "
+                       "TTFT, TPOT, peak memory, graphs compiled and whether greedy tokens equal the plain engine's "
+                       "(method: metainfer/servebench.py, docs/serving.md).")
+    b.add_argument("--model", default="hf-llama-tiny", metavar="NAME_OR_CONFIG",
+                   help="hf-llama-tiny (default), hf-llama-512x4, or a Hugging Face config.json (random weights)")
+    b.add_argument("--target", default="cpu", help="target name or TOML path; default: cpu")
+    b.add_argument("--workload", metavar="FILE", help="workload JSON: {\"requests\": [{\"prompt_tokens\", "
+                   "\"output_tokens\", \"prefix_group\", \"arrival_s\"}], \"prefix_tokens\"}; else synthetic")
+    b.add_argument("--requests", type=_positive_int, default=32, metavar="N", help="synthetic: requests (default 32)")
+    b.add_argument("--prompt", type=_positive_int, nargs=2, default=(64, 512), metavar=("LO", "HI"),
+                   help="synthetic: prompt lengths drawn uniformly from LO..HI (default 64 512)")
+    b.add_argument("--output", type=_positive_int, default=32, metavar="N", help="synthetic: new tokens per request "
+                   "(default 32)")
+    b.add_argument("--prefix-groups", type=int, default=0, metavar="G",
+                   help="synthetic: requests share a prompt prefix in G groups (default 0: none)")
+    b.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="synthetic: length of a group's shared "
+                   "prefix")
+    b.add_argument("--arrival-rate", type=float, metavar="R", help="synthetic: Poisson arrivals at R requests/s "
+                   "(default: all at once)")
+    b.add_argument("--variants", nargs="+", default=("hf-generate", "cb", "cb+inductor", "cb+metainfer"),
+                   choices=("hf-generate", "cb", "cb+inductor", "cb+metainfer"), help="what to compare (default all)")
+    b.add_argument("--num-blocks", type=_positive_int, metavar="N", help="KV pool blocks for every engine "
+                   "(default: each engine sizes its own)")
+    b.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step for every "
+                   "engine (default: each engine's own)")
+    b.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page (default 256)")
+    b.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
+    b.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
+    b.add_argument("--json", metavar="FILE", help="write the workload and every row as JSON")
+    b.set_defaults(fn=cmd_bench_serving)
 
     c = sub.add_parser("cache", help="show or clear the compile cache")
     c.add_argument("action", choices=("info", "clear"), help="info: files and bytes held; clear: remove them")

@@ -101,12 +101,18 @@ def paged_attention_unsupported(model) -> str | None:
 
 
 class _Step:
-    """Per engine forward: the cache's update made traceable, the pool active for the op."""
+    """Per engine forward: the cache's update made traceable, the pool active for the op; counts
+    the steps and the query tokens they computed."""
 
     def __init__(self, paged: bool):
         self.paged = paged
+        self.steps = 0
+        self.tokens = 0
 
     def __call__(self, kwargs):
+        ids = kwargs.get("input_ids")
+        self.steps += 1
+        self.tokens += ids.shape[-1] if ids is not None else 0
         cache = kwargs.get("cache")
         if not self.paged or cache is None:
             return contextlib.nullcontext()
@@ -256,12 +262,15 @@ def attention(opt):
         model.config._attn_implementation = original
 
 
+@contextlib.contextmanager
 def forwards(opt, paged: bool):
-    """While the engine runs: its forwards through the compiled graphs."""
-    return opt._installed(lambda kw: (lambda: step_label(kw)), step=_Step(paged))
+    """While the engine runs: its forwards through the compiled graphs. Yields the step counter."""
+    step = _Step(paged)
+    with opt._installed(lambda kw: (lambda: step_label(kw)), step=step):
+        yield step
 
 
-def generate_batch(opt, prompts, generation_config=None, continuous_batching_config=None, progress_bar=False,
+def generate_batch(opt, prompts, generation_config=None, continuous_batching_config=None, record_timestamps=False,
                    warmup=True, **kwargs) -> dict:
     """OptimizedModel.generate_batch: results in input order, keyed by request id; a request
     that cannot be served is FAILED with the reason and the others are served."""
@@ -288,10 +297,11 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
     if good:
         hints = WorkloadHints(max_prompt_length=max(len(prompts[i]) for i in good), max_generated_length=max_new,
                               num_requests=len(good))
-        with attention(opt) as paged, forwards(opt, paged), model.continuous_batching_context_manager(
+        with attention(opt) as paged, forwards(opt, paged) as steps, model.continuous_batching_context_manager(
                 generation_config=generation_config, continuous_batching_config=cfg, block=True, timeout=60,
                 warmup=warmup, workload_hints=hints) as manager:
-            ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new)
+            ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new,
+                                       record_timestamps=record_timestamps)
             owner = {rid: i for rid, i in zip(ids, good)}
             pending = set(ids) | {f"{rid}__child#{c}" for rid in ids for c in range(manager.num_return_sequences - 1)}
             while pending:
@@ -306,6 +316,12 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
             for rid in pending:  # the engine stopped before finishing them
                 results.setdefault(owner[rid.split("__child#")[0]], []).append(
                     _failed(rid, prompts[owner[rid.split("__child#")[0]]], "the engine stopped before finishing it"))
+        prompt_tokens = sum(len(prompts[i]) for i in good)
+        fed_back = sum(max(0, len(o.generated_tokens) - 1) for outs in results.values() for o in outs)
+        reused = prompt_tokens + fed_back - steps.tokens  # prompt tokens the engine did not compute
+        opt.report.notes.append(f"serving run: {len(good)} requests, {steps.steps} steps, {steps.tokens} query tokens "
+                                f"computed; {max(0, reused)} of {prompt_tokens} prompt tokens "
+                                f"({max(0, reused) / max(1, prompt_tokens):.0%}) reused from cached prefix blocks")
     ordered = {}
     for i, p in enumerate(prompts):
         if problems[i] is not None:
@@ -339,7 +355,7 @@ class Manager:
 
     def start(self) -> None:
         self._forwards = forwards(self._opt, self._paged)
-        self._forwards.__enter__()
+        self.steps = self._forwards.__enter__()
         try:
             self._manager.start()
         except BaseException:

@@ -114,3 +114,12 @@ def test_target_and_config_are_checked_before_the_model_is_built(tmp_path, capsy
     assert "transformers cannot read this config" in capsys.readouterr().err
     assert main(["optimize", "--model", "llama-tny"]) == 2
     assert "--model llama-tny: neither a models/ name (llama-tiny" in capsys.readouterr().err
+
+
+def test_bench_serving_checks_its_arguments(tmp_path, capsys):
+    bad = tmp_path / "w.json"
+    bad.write_text('{"requests": 3}')
+    assert main(["bench-serving", "--workload", str(bad)]) == 2
+    assert "not a workload" in capsys.readouterr().err
+    assert main(["bench-serving", "--model", "gpt-17"]) == 2
+    assert "neither a benchmark model (hf-llama-512x4, hf-llama-tiny)" in capsys.readouterr().err

@@ -130,3 +130,28 @@ def test_inductor_lowering_serves_the_same_tokens():
     out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     assert tokens(out) == tokens(plain)
     assert all(s.lowering == "inductor" for s in opt.report.sections)
+
+
+def test_benchmark_harness_compares_variants_on_a_workload(tmp_path):
+    from metainfer import servebench
+
+    w = servebench.Workload.synthetic(5, prompt=(4, 30), output=3, prefix_groups=2, prefix_tokens=20,
+                                      arrival_rate=200.0, seed=3)
+    path = tmp_path / "w.json"
+    path.write_text(__import__("json").dumps(w.to_dict()))
+    again = servebench.Workload.load(path)
+    assert again == w and again.staggered
+    prompts = w.prompts(128)
+    assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20], "a prefix group shares its first 20 tokens"
+    model = servebench.build_model("hf-llama-tiny")
+    rows = servebench.run(model, w, variants=("hf-generate", "cb", "cb+metainfer"), progress=False,
+                          cb_config=dict(num_blocks=16, page_size=16, max_batch_tokens=64), lowering="aot_eager")
+    by = {r.variant: r for r in rows}
+    assert by["cb+metainfer"].same_tokens == 5 and by["cb"].same_tokens == 5
+    assert by["cb+metainfer"].output_tokens == 15 and by["cb+metainfer"].input_tokens == sum(map(len, prompts))
+    assert by["cb+metainfer"].ttft_s > 0 and by["cb+metainfer"].graphs >= 1
+    text = servebench.table(rows)
+    assert "cb+metainfer" in text and "vs cb" in text
+    with pytest.raises(ValueError, match="not a workload"):
+        path.write_text('{"requests": [{"prompt": 3}]}')
+        servebench.Workload.load(path)

@@ -226,8 +226,8 @@ def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int
     """CPU path: torch's fused SDPA kernel on keys gathered from the pool (O(the keys used)).
     Decode requests (one query token, every key kept) go in one call, their keys padded to
     the longest and the padding masked; each other request in its own call: causal SDPA for a
-    fresh prompt, attention.cpu_forward's query-chunked softmax (memory O(chunk x keys), no
-    [queries x keys] mask) for a prompt chunk after cached tokens."""
+    fresh prompt, and for a prompt chunk after cached tokens the flash kernel on the cached and
+    the new keys, merged (_after_cache)."""
     check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
@@ -247,10 +247,25 @@ def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int
         qr, k, v = q[q0:q1].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if sk == sq:
             o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:  # a chunk after cached tokens: bottom-right causal, in query chunks of bounded memory
-            o = attention.cpu_forward(qr, k, v, None, scale, True, sk - sq, zero_empty_rows=True)
+        else:
+            o = _after_cache(qr, k, v, sk - sq, scale)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
+
+
+def _after_cache(q, k, v, past: int, scale: float) -> torch.Tensor:
+    """A prompt chunk after `past` cached tokens (bottom-right causal) with torch's CPU flash
+    kernel, which is causal only top-left: the cached keys, every one kept, and the chunk's own
+    keys, causal, attended separately and merged by their log-sum-exps. Memory O(chunk x D),
+    never a [chunk x keys] mask or score matrix."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if q.dtype != k.dtype or v.shape[-1] != q.shape[-1]:
+        return attention.cpu_forward(q, k, v, None, scale, True, past, zero_empty_rows=True)
+    o1, l1 = flash(q, k[:, :, :past], v[:, :, :past], 0.0, False, scale=scale)
+    o2, l2 = flash(q, k[:, :, past:], v[:, :, past:], 0.0, True, scale=scale)
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _decode_batch(q, k_pool, v_pool, key_index, requests, scale: float, gqa: bool, out: torch.Tensor) -> None:

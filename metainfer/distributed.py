@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,14 @@ def expert_parallel(model: torch.nn.Module, group) -> int:
     return len(layers)
 
 
+_TP_MESHES: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def tp_mesh(model: torch.nn.Module):
+    """The tensor-parallel mesh prepare() sharded `model` over (None if it did not)."""
+    return _TP_MESHES.get(model)
+
+
 def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on: bool | None = None,
             tensor_parallel: int | None = None) -> tuple[_targets.Target, list[str]]:
     """Inside a job of several ranks: the target over the job's ranks (emulated on CPU ranks
@@ -220,6 +229,7 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on
         mesh = (init_device_mesh(t.device.kind, (w,)) if tp == w else
                 init_device_mesh(t.device.kind, (w // tp, tp), mesh_dim_names=("dp", "tp"))["tp"])
         plan = shard(model, mesh)
+        _TP_MESHES[model] = mesh
         members = dist.get_process_group_ranks(mesh.get_group())
         notes.append(f"tensor parallel over ranks {members} (rank {rank()}): {len(plan)} plan entries of "
                      f"{type(model).__name__} applied with DTensor parallelize_module"

@@ -244,22 +244,37 @@ def attention(opt):
     """metainfer's paged attention as the model's attention, where it can serve the model: set
     before the engine starts (which then keeps it), the model's own restored after. Yields
     whether it is in use."""
+    import torch.distributed as dist
+
+    from metainfer import distributed
+
     model = opt.model
     why_not = paged_attention_unsupported(model)
     original = model.config._attn_implementation
     if why_not is None:
         _register_attention()
         model.config._attn_implementation = ATTENTION_NAME
+    # sharded by metainfer inside a job: the engine runs its tensor-parallel mode over the same
+    # mesh (rank 0 of each group schedules, the others follow its broadcasts)
+    mesh, own_mesh = distributed.tp_mesh(model), getattr(model, "_device_mesh", None)
+    if mesh is not None and own_mesh is None:
+        model._device_mesh = mesh
     note = (f"serving: attention is metainfer.paged_attention over the engine's KV pool (was {original!r})"
             if why_not is None else
             f"serving: the engine's own {original!r} attention (with its dense mask and a graph break per layer), "
             f"since {why_not}")
+    if mesh is not None and own_mesh is None:
+        ranks = dist.get_process_group_ranks(mesh.get_group())
+        note += (f"; the engine schedules in tensor-parallel mode over ranks {ranks} (rank {ranks[0]} schedules, the "
+                 "others follow its broadcasts)")
     if note not in opt.report.notes:
         opt.report.notes.append(note)
     try:
         yield why_not is None
     finally:
         model.config._attn_implementation = original
+        if mesh is not None and own_mesh is None:
+            model._device_mesh = None
 
 
 @contextlib.contextmanager

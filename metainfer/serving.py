@@ -286,9 +286,10 @@ def forwards(opt, paged: bool):
 
 
 def generate_batch(opt, prompts, generation_config=None, continuous_batching_config=None, record_timestamps=False,
-                   warmup=True, **kwargs) -> dict:
+                   progress_bar=False, warmup=True, **kwargs) -> dict:
     """OptimizedModel.generate_batch: results in input order, keyed by request id; a request
     that cannot be served is FAILED with the reason and the others are served."""
+    from tqdm.auto import tqdm
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     if not prompts:
@@ -319,6 +320,8 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
                                        record_timestamps=record_timestamps)
             owner = {rid: i for rid, i in zip(ids, good)}
             pending = set(ids) | {f"{rid}__child#{c}" for rid in ids for c in range(manager.num_return_sequences - 1)}
+            bar = tqdm(total=len(pending), desc=f"Solving {len(pending)} requests", unit="request",
+                       disable=not progress_bar)
             while pending:
                 out = manager.get_result(timeout=1)
                 if out is None:
@@ -327,7 +330,9 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
                     continue
                 if out.is_finished() and out.request_id in pending:
                     pending.discard(out.request_id)
+                    bar.update(1)
                     results.setdefault(owner[out.request_id.split("__child#")[0]], []).append(out)
+            bar.close()
             for rid in pending:  # the engine stopped before finishing them
                 results.setdefault(owner[rid.split("__child#")[0]], []).append(
                     _failed(rid, prompts[owner[rid.split("__child#")[0]]], "the engine stopped before finishing it"))

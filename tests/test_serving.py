@@ -54,7 +54,7 @@ def test_bad_requests_fail_alone():
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
     reqs = [good[0], [], [1, 128, 2], [5] * 65, "hello", good[1]]
-    out = opt.generate_batch(reqs, generation_config=gen, continuous_batching_config=cfg)
+    out = opt.generate_batch(reqs, generation_config=gen, continuous_batching_config=cfg, progress_bar=True)
     errors = [r.error for r in out.values()]
     assert errors[0] is None and errors[-1] is None
     assert errors[1] == "prompt is empty"

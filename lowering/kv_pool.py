@@ -24,13 +24,20 @@ _active = threading.local()
 
 @contextlib.contextmanager
 def active(views: PoolViews):
-    """Inside the block, paged attention on this thread reads and writes through `views`."""
-    previous = getattr(_active, "views", None)
-    _active.views = views
+    """Inside the block (one engine forward), paged attention on this thread reads and writes
+    through `views`; the step's index tensors are graph inputs, not modified during it."""
+    previous = getattr(_active, "views", None), getattr(_active, "plans", None)
+    _active.views, _active.plans = views, {}
     try:
         yield
     finally:
-        _active.views = previous
+        _active.views, _active.plans = previous
+
+
+def step_plans() -> dict | None:
+    """A dict that lives for the step running on this thread (None outside one): what the
+    attention op derives from the step's indices, built by its first layer, reused by the rest."""
+    return getattr(_active, "plans", None)
 
 
 def layer_views(layer: int) -> tuple[torch.Tensor, torch.Tensor]:

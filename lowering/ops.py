@@ -204,7 +204,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tenso
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     if kernels.use_triton(q):
         return _paged_attention.launch(*args, config=config_for("paged_attention", q.device))
-    return _paged_attention.cpu_forward(*args)
+    return _paged_attention.cpu_forward(*args, plans=kv_pool.step_plans())
 
 
 @paged_attention.register_fake

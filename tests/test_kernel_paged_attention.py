@@ -71,6 +71,66 @@ def test_decode_batch_split_over_keys(contexts, group, interpret):
           P.reference(q, kp, vp, ki, cu_q, cu_k, 0.25), torch.float32)
 
 
+def shared_prefix_batch(groups, chunks, hkv, group, dtype, seed):
+    """Decode requests in groups whose keys start with the same pool rows (a cached prefix the
+    engine shares), then prompt chunks after cached tokens; rows scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    keys, len_q = [], []
+    rows = torch.randperm(4096, generator=g).tolist()
+    take = lambda n: [rows.pop() for _ in range(n)]  # noqa: E731
+    for prefix, owns in groups:
+        shared = take(prefix)
+        for own in owns:
+            keys.append(shared + take(own))
+            len_q.append(1)
+    for sq, past in chunks:
+        keys.append(take(sq + past))
+        len_q.append(sq)
+    d = 16
+    k_pool = torch.randn(4096, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(4096, hkv, d, generator=g).to(dtype)
+    q = torch.randn(sum(len_q), hkv * group, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0] + len_q).cumsum(0)
+    cu_k = torch.tensor([0] + [len(k) for k in keys]).cumsum(0)
+    return q, k_pool, v_pool, torch.tensor(sum(keys, [])), cu_q, cu_k, max(len_q), max(len(k) for k in keys)
+
+
+@settings(max_examples=20, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(P.MIN_SHARED - 4, P.MIN_SHARED + 40),
+                                 st.lists(st.integers(1, 30), min_size=1, max_size=4)), min_size=1, max_size=3),
+       chunks=st.lists(st.tuples(st.integers(2, 40), st.integers(0, 50)), max_size=4),
+       hkv=st.integers(1, 2), group=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 99))
+def test_cpu_path_batches_shared_prefixes_and_short_chunks(groups, chunks, hkv, group, dtype, seed):
+    """The CPU path's grouped calls (a shared prefix attended once per group of decode requests,
+    short chunks in padded calls) against the reference, per request."""
+    args = shared_prefix_batch(groups, chunks, hkv, group, dtype, seed)
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = args
+    close(P.cpu_forward(*args, 0.3), P.reference(q, kp, vp, ki, cu_q, cu_k, 0.3), dtype)
+
+
+def test_shared_prefixes_are_found_from_the_pool_rows():
+    """Two groups (shared prefixes of 70 and 64 keys), one request alone, one group below the minimum."""
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = shared_prefix_batch(
+        [(70, [3, 5, 1]), (64, [2, 2]), (80, [4]), (P.MIN_SHARED - 1, [3, 3])], [], 1, 1, torch.float32, 0)
+    starts = cu_k[:-1].tolist()
+    lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    assert P._shared_prefixes(ki, starts, lengths) == [([0, 1, 2], 70), ([3, 4], 64)]
+
+
+def test_one_plan_serves_every_layer_of_a_step():
+    """Layers of a step share the indices, not the pool: the plan built by the first layer gives
+    every later layer (other keys, other values) the reference's result."""
+    args = shared_prefix_batch([(70, [3, 5, 1])], [(5, 9), (7, 12), (300, 4)], 2, 2, torch.float32, 1)
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = args
+    plans: dict = {}
+    for layer in range(3):
+        kp, vp, q = kp.roll(layer, dims=0), vp * (layer + 1), q.flip(0)
+        out = P.cpu_forward(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.3, plans=plans)
+        close(out, P.reference(q, kp, vp, ki, cu_q, cu_k, 0.3), torch.float32)
+    assert len(plans) == 1
+
+
 def test_a_hand_made_case():
     """Two requests, one head: a fresh prompt of 2 tokens and a decode token after 2 cached
     keys. Keys 1 everywhere, values = row number, so each output is the mean of the rows kept."""

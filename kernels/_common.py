@@ -45,3 +45,18 @@ def as_rows(kernel: str, name: str, t: torch.Tensor) -> torch.Tensor:
 def interpreted() -> bool:
     """Whether the kernels were built for Triton's interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Set by lowering/aot.py while it records launches for a GPU architecture it compiles for
+# ahead of time: launchers then decide as they would on a GPU of that compute capability.
+AOT_CAPABILITY: tuple[int, int] | None = None
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability the kernels are built for: the ahead-of-time recording's, a
+    CUDA device's, or None (the interpreter on CPU tensors)."""
+    if AOT_CAPABILITY is not None:
+        return AOT_CAPABILITY
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)

@@ -51,14 +51,13 @@ the unit roundoff of x's dtype (2^-24 fp32, 2^-8 bf16, 2^-11 fp16):
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, check, check_float, interpreted
+from ._common import as_rows, check, check_float, gpu_capability, interpreted
 
 NAME = "fp8_gemm"
 
@@ -201,19 +200,15 @@ def _tiles(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> 
             min(config["BLOCK_K"], block_k, small(K)))
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_fp8_native(index: int) -> bool:
-    # e4m3 ("fp8e4nv") conversions and dots need sm_89+; ROCm GPUs use the fnuz format instead
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 9)
-
-
 def _plan(device: torch.device) -> dict:
     """How the kernel reads FP8 on `device`: natively (interpreter, sm_89+) or from its bits."""
-    if device.type != "cuda":
+    cap = gpu_capability(device)
+    if cap is None:
         # Triton 3.9's interpreter converts and dots float8_e4m3fn tiles exactly (checked), so
         # the interpreter runs the same native path as a Hopper/Ada GPU
         return dict(FP8_NATIVE=True, FP8_DOT=True)
-    native = _cuda_fp8_native(device.index if device.index is not None else torch.cuda.current_device())
+    # e4m3 ("fp8e4nv") conversions and dots need sm_89+; ROCm GPUs use the fnuz format instead
+    native = torch.version.hip is None and cap >= (8, 9)
     return dict(FP8_NATIVE=native, FP8_DOT=native)
 
 

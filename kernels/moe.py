@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot
-from ._common import check, check_float, interpreted
+from ._common import check, check_float, gpu_capability, interpreted
 
 NAME = "moe"
 
@@ -306,9 +306,9 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     E, I = w_gate.shape[0], w_gate.shape[1]
     fp8 = w_gate.dtype in FP8_DTYPES
     BM, BN, BK = _clamped_blocks(config, fp8, block_n, block_k)
-    if fp8 and x.device.type == "cuda":
+    cap = gpu_capability(x.device)
+    if fp8 and cap is not None:
         # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89: compiling would fail there
-        cap = torch.cuda.get_device_capability(x.device)
         check(cap >= (8, 9), NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
               f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
     if T == 0:

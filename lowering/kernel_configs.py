@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-# Attention rows are keyed by the largest head dim they serve (registers grow with it).
+# Attention rows are keyed by the largest head dim they serve at 2 bytes an element (registers
+# and shared memory grow with it): a float32 head of 64 takes the row of a bf16 head of 128
+# (compiled ahead of time, lowering/aot.py: fp32 d64 on the sm_89 d64 row needs 128 KiB of
+# shared memory, more than Ada's 99 KiB).
 _ATTENTION = {
     "interpreter": [(256, dict(BLOCK_M=16, BLOCK_N=16))],
     # Ada (L40S/L20, 100 KB shared memory per SM): smaller tiles at large head dims.
@@ -64,16 +67,25 @@ def _row(device: torch.device) -> tuple[str, dict]:
     return (arch if arch in _ATTENTION else "cuda"), overrides
 
 
-def config_for(kernel: str, device: torch.device, *, head_dim: int = 0) -> dict[str, Any]:
-    """The launch config for `kernel` on `device`."""
+def config_for(kernel: str, device: torch.device, *, head_dim: int = 0, dtype: torch.dtype | None = None
+               ) -> dict[str, Any]:
+    """The launch config for `kernel` on `device` (attention: for `head_dim` in `dtype`)."""
+    arch, overrides = _row(device)
+    return {**config_for_arch(kernel, arch, head_dim=head_dim, dtype=dtype), **overrides.get(kernel, {})}
+
+
+def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.dtype | None = None
+                    ) -> dict[str, Any]:
+    """The table's row for `kernel` on `arch` ("interpreter", "sm_80", "sm_89", ...; an arch with
+    no rows of its own gets the conservative CUDA row), without a target's overrides."""
     if kernel not in KERNELS:
         raise KeyError(f"no kernel named {kernel!r}; known: {list(KERNELS)}")
-    arch, overrides = _row(device)
+    if arch != "interpreter" and arch not in _ATTENTION:
+        arch = "cuda"
     if kernel == "attention":
         rows = _ATTENTION[arch]
-        cfg = next((c for limit, c in rows if head_dim <= limit), rows[-1][1])
-    elif kernel in _TILED:
-        cfg = _TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"]
-    else:
-        cfg = _POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel]
-    return {**cfg, **overrides.get(kernel, {})}
+        width = head_dim * (dtype.itemsize if dtype is not None else 2) // 2
+        return dict(next((c for limit, c in rows if width <= limit), rows[-1][1]))
+    if kernel in _TILED:
+        return dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])
+    return dict(_POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel])

@@ -37,7 +37,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
               causal: bool, causal_offset: int, zero_empty_rows: bool) -> Tensor:
     """softmax(q k^T * scale + mask) v with GQA, see metainfer.kernels.attention."""
     if kernels.use_triton(q):
-        cfg = config_for("attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
+        cfg = config_for("attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]), dtype=q.dtype)
         return _attention.launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, config=cfg)
     return _attention.cpu_forward(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows).contiguous()
 

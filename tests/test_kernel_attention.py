@@ -63,7 +63,7 @@ def check(out, ref, dtype):
 def test_triton_kernel_matches_reference(p, interpret):
     q, k, v, mask, scale = make(p, noncontig=p["Sq"] % 2 == 0)
     args = (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"])
-    out = A.launch(*args, config=config_for("attention", q.device, head_dim=max(p["D"], p["Dv"])))
+    out = A.launch(*args, config=config_for("attention", q.device, head_dim=max(p["D"], p["Dv"]), dtype=q.dtype))
     check(out, A.reference(*args), p["dtype"])
     assert out.is_contiguous()
 

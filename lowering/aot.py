@@ -1,0 +1,314 @@
+"""Every metainfer Triton kernel compiled for NVIDIA GPUs ahead of time, on a machine without one.
+
+Triton's own compiler (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) runs for a GPUTarget
+without a device. Each kernel's launcher is called on small CPU tensors with the launch
+config of the architecture (lowering/kernel_configs.py); the launch is recorded instead of run,
+and the recorded arguments (types, constexprs, num_warps / num_stages) are compiled for each
+architecture. A kernel fails when Triton or ptxas rejects it, or when it needs more shared
+memory per block than the architecture has; a launcher that refuses an architecture with a
+KernelInputError (FP8 weights before sm_89) is reported as refused, not failed.
+
+    TRITON_INTERPRET=0 python -m metainfer.lowering.aot [--arch sm_80 sm_89 sm_90] [--json FILE]
+
+It must run with Triton's interpreter off (kernels decorated as GPU kernels): on a CPU build
+of torch `import metainfer` turns the interpreter on unless TRITON_INTERPRET is already set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+# cc and the most shared memory one block may use (bytes, opt-in), per the CUDA C Programming
+# Guide's "Technical Specifications per Compute Capability": A100 163 KB, Ada 99 KB, H100 227 KB.
+ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 * 1024)}
+
+KERNEL_MODULES = ("attention", "rmsnorm", "swiglu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
+                  "sparse_attention", "mla_decode")
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: str  # module.function
+    fn: Any  # the JITFunction
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Result:
+    kernel: str
+    case: str
+    arch: str
+    status: str  # "ok", "failed", "refused"
+    shared_bytes: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def launched_kernels() -> dict[str, Any]:
+    """module.function -> JITFunction for every kernel a launcher starts (`name[grid](...)` in its
+    module), not the @triton.jit helpers kernels call."""
+    from triton.runtime.jit import KernelInterface
+
+    found = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"metainfer.kernels.{name}")
+        source = inspect.getsource(module)
+        for attr, value in vars(module).items():
+            # a JITFunction, or an InterpretedFunction under the interpreter
+            if isinstance(value, KernelInterface) and f"{attr}[" in source:
+                found[f"{name}.{attr}"] = value
+    return found
+
+
+@contextlib.contextmanager
+def _recording(cc: int):
+    """Launches are recorded, not run; launchers that ask for the GPU's capability get `cc`'s."""
+    from metainfer.kernels import _common
+
+    launches: list[Launch] = []
+    kernels = launched_kernels()
+    saved = []
+    for qualified, fn in kernels.items():
+        module = importlib.import_module(f"metainfer.kernels.{qualified.split('.')[0]}")
+
+        class _Recorder:
+            def __init__(self, qualified=qualified, fn=fn):
+                self.qualified, self.fn = qualified, fn
+
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: launches.append(Launch(self.qualified, self.fn, args, kwargs))
+
+        saved.append((module, qualified.split(".")[1], fn))
+        setattr(module, qualified.split(".")[1], _Recorder())
+    previous = _common.AOT_CAPABILITY
+    _common.AOT_CAPABILITY = divmod(cc, 10)
+    try:
+        yield launches
+    finally:
+        _common.AOT_CAPABILITY = previous
+        for module, attr, fn in saved:
+            setattr(module, attr, fn)
+
+
+def _signature(launch: Launch) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, options) of a recorded launch, as triton.compile takes them."""
+    from triton.runtime.jit import mangle_type
+
+    kwargs = dict(launch.kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    params = launch.fn.params
+    values = dict(zip([p.name for p in params], launch.args))
+    values.update(kwargs)
+    signature, constexprs = {}, {}
+    for p in params:
+        if p.name not in values:
+            if not p.has_default:
+                raise TypeError(f"{launch.kernel}: no value for parameter {p.name!r}")
+            values[p.name] = p.default
+        value = values[p.name]
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        else:
+            signature[p.name] = mangle_type(value)
+    return signature, constexprs, options
+
+
+def compile_launch(launch: Launch, arch: str):
+    """triton.compile of one recorded launch for `arch`: the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, options = _signature(launch)
+    cc, _ = ARCHS[arch]
+    return triton.compile(ASTSource(launch.fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
+                          options=options)
+
+
+# ---- representative launches: (kernel module, case, call(arch)) ---------------------------------
+
+def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
+    import torch
+
+    from metainfer.kernels import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
+        sparse_attention, swiglu, token_ids
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    bf16, f32, e4m3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def attn(d, dtype, causal, mask):
+        def call(arch):
+            q, k, v = randn(1, 8, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype)
+            m = randn(1, 1, 64, 64, dtype=dtype) if mask else None
+            cfg = config_for_arch("attention", arch, head_dim=d, dtype=dtype)
+            attention.launch(q, k, v, m, d ** -0.5, causal, 0, config=cfg)
+        return call
+
+    def paged(decode):
+        def call(arch):
+            lens_q, lens_k = ([1, 1, 1], [700, 90, 1500]) if decode else ([37, 5, 64], [37, 300, 64])
+            kp, vp = randn(4096, 2, 128), randn(4096, 2, 128)
+            cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+            cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+            ki = torch.randperm(4096, generator=g)[:sum(lens_k)].to(torch.int32)
+            paged_attention.launch(randn(sum(lens_q), 8, 128), kp, vp, ki, cu_q, cu_k, max(lens_q), max(lens_k),
+                                   128 ** -0.5, config=config_for_arch("paged_attention", arch))
+        return call
+
+    def gemm(m, act_quant):
+        def call(arch):
+            n, k = 512, 1024
+            fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3), torch.rand(n // 128, k // 128, generator=g), None,
+                            128, 128, act_quant, config=config_for_arch("fp8_gemm", arch))
+        return call
+
+    def experts(fp8):
+        def call(arch):
+            T, E, K, H, I = 16, 8, 2, 256, 256
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+            w = (lambda *s: randn(*s, dtype=e4m3)) if fp8 else randn
+            s = (lambda *s: torch.rand(*s, generator=g)) if fp8 else (lambda *s: None)
+            moe.launch(randn(T, H), ids, torch.rand(T, K, generator=g), w(E, I, H), w(E, I, H), w(E, H, I),
+                       s(E, I // 128, H // 128), s(E, I // 128, H // 128), s(E, H // 128, I // 128),
+                       config=config_for_arch("moe", arch))
+        return call
+
+    def sparse(arch):
+        q, k, v = randn(1, 16, 8, 128), randn(1, 1, 256, 128), randn(1, 1, 256, 128)
+        idx = torch.randint(0, 256, (1, 8, 64), generator=g, dtype=torch.int32)
+        sparse_attention.launch(q, k, v, idx, None, 128 ** -0.5, True, 248,
+                                config=config_for_arch("sparse_attention", arch))
+
+    def mla(sparse_indices):
+        def call(arch):
+            B, H, Sq, T, R, P = 1, 16, 2, 300, 512, 64
+            idx = torch.randint(0, T, (B, Sq, 64), generator=g, dtype=torch.int32) if sparse_indices else None
+            mla_decode.launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, None,
+                              (R + P) ** -0.5, True, T - Sq, config=config_for_arch("mla_decode", arch))
+        return call
+
+    return [
+        ("attention", "bf16 d64 causal", attn(64, bf16, True, False)),
+        ("attention", "bf16 d128 causal", attn(128, bf16, True, False)),
+        ("attention", "bf16 d128 additive mask", attn(128, bf16, False, True)),
+        ("attention", "fp32 d64 causal", attn(64, f32, True, False)),
+        ("attention", "fp32 d128 causal", attn(128, f32, True, False)),
+        ("attention", "bf16 d256 causal", attn(256, bf16, True, False)),
+        ("paged_attention", "bf16 d128 prefill chunks", paged(False)),
+        ("paged_attention", "bf16 d128 decode, key splits", paged(True)),
+        ("rmsnorm", "bf16 4096 + residual",
+         lambda arch: rmsnorm.launch(randn(8, 4096), randn(4096), 1e-6, 0.0, bf16, residual=randn(8, 4096),
+                                     config=config_for_arch("rmsnorm", arch))),
+        ("swiglu", "bf16 8 x 11008",
+         lambda arch: swiglu.launch(randn(8, 11008), randn(8, 11008), config=config_for_arch("swiglu", arch))),
+        ("rope", "bf16 d128",
+         lambda arch: rope.launch(randn(1, 8, 16, 128), randn(1, 1, 16, 128), randn(1, 1, 16, 128),
+                                  config=config_for_arch("rope", arch))),
+        ("token_ids", "int64 ids",
+         lambda arch: token_ids.launch(torch.randint(0, 100, (2, 64), generator=g), 100,
+                                       config=config_for_arch("token_ids", arch))),
+        ("fp8_gemm", "decode m=4, bf16 activations", gemm(4, False)),
+        ("fp8_gemm", "prefill m=512, fp8 activations", gemm(512, True)),
+        ("moe", "bf16 experts", experts(False)),
+        ("moe", "fp8 experts", experts(True)),
+        ("sparse_attention", "bf16 d128 top-64", sparse),
+        ("mla_decode", "bf16 dense", mla(False)),
+        ("mla_decode", "bf16 sparse top-64", mla(True)),
+    ]
+
+
+def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Result], None] | None = None
+        ) -> list[Result]:
+    """Record every case's launches for each arch and compile them; one Result per kernel launch."""
+    from metainfer.kernels import KernelInputError
+
+    cases = _cases()
+    missing = {k.split(".")[0] for k in launched_kernels()} - {c[0] for c in cases}
+    results: list[Result] = [Result(m, "-", "-", "failed", detail="no ahead-of-time case") for m in sorted(missing)]
+    compiled: dict[str, Any] = {}  # same arguments on the same arch: compiled once
+    for arch in archs:
+        cc, shared_limit = ARCHS[arch]
+        for module, case, call in cases:
+            if only and module not in only:
+                continue
+            with _recording(cc) as launches:
+                try:
+                    call(arch)
+                except KernelInputError as e:
+                    results.append(Result(module, case, arch, "refused", detail=str(e)))
+                    continue
+            for launch in launches:
+                t0 = time.perf_counter()
+                try:
+                    key = repr((arch, launch.kernel, _signature(launch)))
+                    kernel = compiled.get(key) or compiled.setdefault(key, compile_launch(launch, arch))
+                except Exception as e:  # noqa: BLE001 - every compiler error is this tool's finding
+                    r = Result(launch.kernel, case, arch, "failed", seconds=time.perf_counter() - t0,
+                               detail=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}")
+                else:
+                    shared = int(kernel.metadata.shared)
+                    ok = shared <= shared_limit
+                    r = Result(launch.kernel, case, arch, "ok" if ok else "failed", shared, time.perf_counter() - t0,
+                               "" if ok else f"needs {shared} B of shared memory per block, {arch} has {shared_limit}")
+                results.append(r)
+                if progress:
+                    progress(r)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    rows = [("kernel", "case", "arch", "status", "shared KiB", "s", "detail")]
+    for r in results:
+        rows.append((r.kernel, r.case, r.arch, r.status, "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}",
+                     f"{r.seconds:.1f}", r.detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Compile every metainfer Triton kernel for NVIDIA GPUs, no GPU needed.")
+    ap.add_argument("--arch", nargs="+", choices=tuple(ARCHS), default=tuple(ARCHS))
+    ap.add_argument("--kernel", nargs="+", choices=KERNEL_MODULES, help="only these kernel files")
+    ap.add_argument("--json", metavar="FILE", help="write the results here ('-': standard output)")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") not in (None, "0"):
+        print("TRITON_INTERPRET is on: kernels are interpreted functions and cannot be compiled for a GPU; "
+              "run with TRITON_INTERPRET=0", file=sys.stderr)
+        return 2
+    os.environ["TRITON_INTERPRET"] = "0"  # before metainfer decides for a CPU build
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what launches get today; silences 3.9's notice
+    t0 = time.perf_counter()
+    results = run(a.arch, set(a.kernel) if a.kernel else None,
+                  progress=lambda r: print(f"{r.arch} {r.kernel} ({r.case}): {r.status} {r.detail}", file=sys.stderr,
+                                           flush=True))
+    print(table(results))
+    failed = [r for r in results if r.status == "failed"]
+    print(f"{len(results)} launches, {len(failed)} failed, "
+          f"{sum(r.status == 'refused' for r in results)} refused, {time.perf_counter() - t0:.0f} s")
+    if a.json:
+        text = json.dumps([dataclasses.asdict(r) for r in results], indent=1)
+        if a.json == "-":
+            print(text)
+        else:
+            with open(a.json, "w") as f:
+                f.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,6 +28,7 @@ def tokens(results):
 
 
 @pytest.mark.parametrize("arch, attn, extra", [("Llama", "sdpa", {}), ("Llama", "eager", {}), ("Qwen2", "sdpa", {}),
+                                               ("Qwen2", "eager", {}), ("DeepseekV3", "eager", DEEPSEEK),
                                                ("DeepseekV3", "sdpa", DEEPSEEK)])
 def test_greedy_tokens_equal_the_plain_engine(arch, attn, extra):
     torch._dynamo.reset()  # transformers' forward wrappers are shared code: start from no compiled graph

@@ -343,3 +343,180 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
     c = roofline(flops, moved, key, target)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
+
+
+# ---- part three: what the lowering emits -----------------------------------------------------
+#
+# Inductor does not run ATen nodes one by one: it fuses chains of pointwise ops, reductions,
+# copies and indexed loads into one kernel that reads its inputs from memory once and writes
+# only what later kernels (or the graph's outputs) read. Matmuls, attention and custom ops stay
+# kernels of their own ("extern"). `price_graph` prices a graph that way: fusion groups formed
+# as Inductor forms them (producer-consumer fusion, none that would make a cycle through a node
+# outside the group), each a roofline of its FLOPs and its external bytes plus one launch;
+# a table read through an index (embedding, index, gather) counts the rows touched, not the
+# table; a scatter writes the rows it touches (Inductor re-inplaces it).
+
+# indexed loads: (op, position of the indexed table)
+_INDEXED_LOADS = {"embedding": 0, "index": 0, "index_select": 0, "gather": 0}
+# indexed stores: the destination argument, and the argument holding the values written
+_INDEXED_STORES = {"index_put": (0, 2), "index_put_": (0, 2), "scatter": (0, 3), "scatter_add": (0, 3),
+                   "scatter_reduce": (0, 3), "index_add": (0, 3), "index_copy": (0, 3), "slice_scatter": (0, 1),
+                   "select_scatter": (0, 1)}
+# data movement Inductor generates inside fused kernels (not extern calls)
+_FUSIBLE_MOVES = {"clone", "copy", "copy_", "_to_copy", "contiguous", "cat", "constant_pad_nd", "repeat", "flip",
+                  "roll", "tril", "triu", "fill", "clamp", "clamp_min", "clamp_max", "where", "masked_fill",
+                  "full_like", "zeros_like", "ones_like", "empty_like", "new_zeros", "new_ones", "new_empty", "expand",
+                  *_CONSTANT_FILLS, *_INDEXED_LOADS, *_INDEXED_STORES}
+
+
+def fusible(node: torch.fx.Node) -> bool:
+    """Whether Inductor generates `node` inside a fused kernel (pointwise, reduction, copy,
+    indexed load or store, view) rather than calling a kernel of its own for it."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    ns, name = op_name(node)
+    if ns != "aten":
+        return False
+    tags = getattr(node.target, "tags", ())
+    return (name in _VIEWS or name in _FUSIBLE_MOVES or name in _REDUCTIONS or torch.Tag.pointwise in tags
+            or torch.Tag.reduction in tags)
+
+
+@dataclass
+class FusedKernel:
+    """One kernel the lowering emits for a group of fusible nodes."""
+
+    nodes: list
+    cost: OpCost
+
+    @property
+    def anchor(self) -> torch.fx.Node:
+        """The last node of the group in program order: where the kernel runs."""
+        return self.nodes[-1]
+
+
+def fusion_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """The fusible nodes of `graph` in groups, each the nodes one fused kernel computes.
+
+    In program order, a fusible node's group takes in each fusible producer's group unless
+    some node outside both lies on a path from one to the other (a matmul reading the
+    producer, say): fused, the kernel would feed its own input, a cycle Inductor refuses.
+    Ancestor and descendant sets are bitsets over the graph's nodes."""
+    nodes = list(graph.nodes)
+    bit = {n: 1 << i for i, n in enumerate(nodes)}
+    anc: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        a = 0
+        for i in n.all_input_nodes:
+            a |= anc[i] | bit[i]
+        anc[n] = a
+    desc: dict[torch.fx.Node, int] = {}
+    for n in reversed(nodes):
+        d = 0
+        for u in n.users:
+            d |= desc[u] | bit[u]
+        desc[n] = d
+
+    class _Group:
+        def __init__(self, n):
+            self.nodes, self.bits, self.anc, self.desc = [n], bit[n], anc[n], desc[n]
+
+    group_of: dict[torch.fx.Node, _Group] = {}
+    for n in nodes:
+        if not fusible(n):
+            continue
+        g = group_of[n] = _Group(n)
+        for i in n.all_input_nodes:
+            p = group_of.get(i)
+            if p is None or p is g or p.desc & g.anc & ~(p.bits | g.bits):
+                continue
+            p.nodes += g.nodes
+            p.bits |= g.bits
+            p.anc |= g.anc
+            p.desc |= g.desc
+            for m in g.nodes:
+                group_of[m] = p
+            g = p
+    seen, groups = set(), []
+    for n in nodes:
+        g = group_of.get(n)
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            groups.append(sorted(g.nodes, key=lambda m: bit[m]))
+    return groups
+
+
+def _bytes_read(tensor: torch.fx.Node, members: set) -> float:
+    """Bytes a group reads of an input: the rows touched where every use of it inside the
+    group (through views) is the table of an indexed load or the destination of an indexed
+    store; nothing where it only passes through views to readers outside; else all of it."""
+    whole = sum(tensor_bytes(t) for t in _tensors([_val(tensor)]))
+    total = 0.0
+    for user in tensor.users:
+        if user not in members:
+            continue
+        name = op_name(user)[1]
+        if name in _VIEWS:
+            total += _bytes_read(user, members)
+        elif name in _INDEXED_LOADS and user.args[_INDEXED_LOADS[name]] is tensor:
+            total += sum(tensor_bytes(t) for t in _tensors([user.meta.get("val")]))
+        elif name in _INDEXED_STORES and user.args[_INDEXED_STORES[name][0]] is tensor:
+            total += sum(tensor_bytes(t) for t in _tensors([_val(user.args[_INDEXED_STORES[name][1]])]))
+        else:
+            return whole
+    return min(total, whole)
+
+
+def _computed_inside(view: torch.fx.Node, members: set) -> bool:
+    """Whether a view's data is computed by the group (else it views a tensor from outside)."""
+    while op_name(view)[1] in _VIEWS:
+        base = view.args[0] if view.args and isinstance(view.args[0], torch.fx.Node) else None
+        if base is None or base not in members:
+            return False
+        view = base
+    return True
+
+
+def _group_cost(members: list, target: Target) -> OpCost:
+    inside = set(members)
+    flops, outputs_dtype = 0.0, None
+    read = sum(_bytes_read(i, inside) for i in {i for n in members for i in n.all_input_nodes if i not in inside})
+    written = 0.0
+    for n in members:
+        name = op_name(n)[1]
+        out = _tensors([n.meta.get("val")])
+        if name in _VIEWS:
+            if any(u not in inside for u in n.users) and _computed_inside(n, inside):
+                written += sum(tensor_bytes(t) for t in out)  # the computed base is written
+            continue
+        flops += op_cost(n, target).flops
+        outputs_dtype = outputs_dtype or (out[0].dtype if out else None)
+        if any(u not in inside for u in n.users):
+            if name in _INDEXED_STORES:  # re-inplaced: only the rows it writes
+                written += sum(tensor_bytes(t) for t in _tensors([_val(n.args[_INDEXED_STORES[name][1]])]))
+            else:
+                written += sum(tensor_bytes(t) for t in out)
+    if flops == 0 and read + written == 0:
+        return OpCost(0.0, 0.0, 0.0, "free")
+    return roofline(flops, read + written, _peak_key(outputs_dtype or torch.float32), target)
+
+
+def price_graph(graph: torch.fx.Graph, target: Target) -> dict[torch.fx.Node, OpCost]:
+    """Each call_function node's share of what the lowering of `graph` costs on one device of
+    `target`: a fused group's whole cost on its last node (its anchor), nothing on the other
+    members; every other node as `op_cost` prices it. Collectives are the simulator's."""
+    prices: dict[torch.fx.Node, OpCost] = {}
+    for members in fusion_groups(graph):
+        c = _group_cost(members, target)
+        for n in members[:-1]:
+            prices[n] = OpCost(0.0, 0.0, 0.0, "fused")
+        prices[members[-1]] = c
+    for node in graph.nodes:
+        if node.op == "call_function" and node not in prices:
+            prices[node] = op_cost(node, target)
+    return prices
+
+
+def fused_kernels(graph: torch.fx.Graph, target: Target) -> list[FusedKernel]:
+    """The fused kernels of `graph` with their costs (for reports and tests)."""
+    return [FusedKernel(m, _group_cost(m, target)) for m in fusion_groups(graph)]

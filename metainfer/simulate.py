@@ -11,6 +11,9 @@ each `wait_tensor` sits.
 - `wait_tensor(x)` blocks the compute stream until x's collective is done: the time the
   compute stream spends blocked there is exposed communication.
 
+Compute is priced as the lowering emits it (cost.price_graph): a fused group of pointwise
+ops, reductions and copies is one kernel, charged where its last node sits.
+
 `simulate(gm, target)` returns the predicted step time, the exposed communication, per-op
 intervals, the floor (max(total compute, total communication with the best algorithm per
 collective)), the ops the cost model priced by bytes only, and a Chrome trace (`trace()`,
@@ -188,6 +191,12 @@ class GraphTimeline:
         self.algorithms = algorithms or {}
         self.ready: dict[torch.fx.Node, float] = {}
         self.tl = Timeline(target)
+        self.prices: dict[torch.fx.Node, cost.OpCost] = {}  # what the lowering emits (cost.price_graph)
+
+    def price(self, node: torch.fx.Node) -> cost.OpCost:
+        if node not in self.prices:
+            self.prices.update(cost.price_graph(node.graph, self.target))
+        return self.prices.get(node) or cost.op_cost(node, self.target)
 
     def inputs_ready(self, node: torch.fx.Node) -> float:
         return max((self.ready.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
@@ -214,7 +223,7 @@ class GraphTimeline:
             end = tl.wait(tl.communicate(c, cost.best("all_reduce", nbytes, target, ranks=ranks).seconds,
                                          max(deps, tl.compute_free)))
         else:
-            c = cost.op_cost(node, target)
+            c = self.price(node)
             if c.priced_by_bytes:
                 tl.priced_by_bytes[name] += 1
             end = deps if c.seconds == 0 else tl.compute(name, c.seconds, deps, f"{c.bound}-bound")

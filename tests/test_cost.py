@@ -179,3 +179,86 @@ def test_bigger_matmul_never_cheaper(m, n, k):
     big, _ = capture_graph(lambda a, b: a @ b, torch.randn(2 * m, k), torch.randn(k, n))
     cs, cb = (cost.op_cost(_nodes(g, "aten.mm")[0], t) for g in (small, big))
     assert cb.seconds >= cs.seconds and cb.flops == 2 * cs.flops
+
+
+# ---- what the lowering emits: fused groups, indexed loads and stores (hand-computed) ---------
+
+def _groups(gm):
+    return [[str(n.target).split(".")[1] for n in g if cost.op_name(n)[1] not in cost._VIEWS]
+            for g in cost.fusion_groups(gm.graph)]
+
+
+def test_a_pointwise_chain_is_one_kernel_reading_and_writing_once():
+    t = targets.get("pcie8")  # 864 GB/s, 4 us launch
+    N = 1 << 20
+    gm, _ = capture_graph(lambda x: torch.relu(x * 2.0 + 1.0), torch.randn(N))
+    (k,) = cost.fused_kernels(gm.graph, t)
+    assert [n for n in _groups(gm)[0]] == ["mul", "add", "relu"]
+    assert k.cost.bytes == 2 * 4 * N and k.cost.flops == 3 * N  # x read once, y written once
+    assert k.cost.seconds == pytest.approx(8 * N / 864e9 + 4e-6)
+    prices = cost.price_graph(gm.graph, t)
+    assert sum(p.seconds for p in prices.values()) == pytest.approx(k.cost.seconds)
+    assert prices[k.anchor] == k.cost  # the whole kernel charged where its last node sits
+
+
+def test_rmsnorm_reads_its_input_and_weight_once():
+    t = targets.get("pcie8")
+    R, H = 64, 4096
+    gm, _ = capture_graph(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                          torch.randn(R, H), torch.randn(H))
+    (k,) = cost.fused_kernels(gm.graph, t)
+    assert k.cost.bytes == 4 * (R * H + H + R * H)
+
+
+def test_no_fusion_through_an_extern_kernel():
+    """a = relu(x); b = a @ w; c = a + b: the add cannot join relu's kernel (b needs a first),
+    so a is written once and read by the matmul and by the add's kernel."""
+    t = targets.get("pcie8")
+
+    def f(x, w):
+        a = torch.relu(x)
+        return a + a @ w
+
+    gm, _ = capture_graph(f, torch.randn(128, 128), torch.randn(128, 128))
+    groups = _groups(gm)
+    assert ["relu"] in groups and ["add"] in groups and len(groups) == 2
+    by_op = {tuple(g): k for g, k in zip(groups, cost.fused_kernels(gm.graph, t))}
+    assert by_op[("relu",)].cost.bytes == 2 * 4 * 128 * 128
+    assert by_op[("add",)].cost.bytes == 3 * 4 * 128 * 128  # a, b read; c written
+
+
+def test_a_producer_off_the_extern_path_fuses_into_its_consumer():
+    """relu(x) + x @ w: the relu feeds only the add, so it is computed inside the add's kernel."""
+    gm, _ = capture_graph(lambda x, w: torch.relu(x) + x @ w, torch.randn(64, 64), torch.randn(64, 64))
+    assert _groups(gm) == [["relu", "add"]]
+
+
+def test_an_embedding_lookup_reads_the_rows_it_touches():
+    t = targets.get("pcie8")
+    V, D, T = 32000, 512, 6
+    gm, _ = capture_graph(lambda table, ids: table[ids] * 2.0, torch.randn(V, D), torch.randint(0, V, (T,)))
+    (k,) = cost.fused_kernels(gm.graph, t)
+    assert k.cost.bytes == 4 * T * D + 8 * T + 4 * T * D  # rows read, ids read, result written
+    assert k.cost.bytes < 4 * V * D / 1000
+
+
+def test_a_scatter_writes_the_rows_it_touches():
+    t = targets.get("pcie8")
+    N, D, T = 4096, 256, 8
+
+    def write(cache, idx, new):
+        return cache.index_put((idx,), new)
+
+    gm, _ = capture_graph(write, torch.randn(N, D), torch.randint(0, N, (T,)), torch.randn(T, D))
+    (k,) = cost.fused_kernels(gm.graph, t)
+    assert k.cost.bytes == 4 * T * D + 8 * T + 4 * T * D + 4 * T * D  # rows of cache, idx, new; rows written
+
+
+def test_views_of_inputs_cost_nothing():
+    """x @ w.t(): the transpose is a view the matmul reads strided; no kernel, no bytes."""
+    t = targets.get("pcie8")
+    gm, _ = capture_graph(lambda x, w: x @ w.t(), torch.randn(64, 128), torch.randn(256, 128))
+    prices = cost.price_graph(gm.graph, t)
+    (mm,) = _nodes(gm, "aten.mm")
+    assert sum(p.seconds for n, p in prices.items() if n is not mm) == 0
+    assert prices[mm] == cost.op_cost(mm, t)

@@ -143,6 +143,9 @@ class MetainferBackend:
         # what the caller is running: "forward", "prefill", "decode" (generate) or a serving step's
         # "prefill" / "decode" / "mixed"; a function is called only when a graph compiles
         self.phase: "str | Callable[[], str]" = "forward"
+        # record each compiled graph's wall time per call in its section (the cost model's
+        # validation benchmark compares them with the predictions); set before the graphs compile
+        self.time_calls = False
         kernel_configs.activate(target)
 
     def call_starts(self) -> None:
@@ -174,7 +177,9 @@ class MetainferBackend:
         section.compile_seconds = time.perf_counter() - t0
         self.report.sections.append(section)  # only graphs that compiled
         if self.capture:
-            return self._capturing(compiled, original)
+            compiled = self._capturing(compiled, original)
+        if self.time_calls:
+            compiled = _timed(compiled, section.call_seconds)
         return compiled
 
     def _capturing(self, compiled, original: torch.fx.GraphModule):
@@ -189,6 +194,16 @@ class MetainferBackend:
             return compiled(*args)
 
         return run
+
+
+def _timed(compiled: Callable, seconds: list) -> Callable:
+    def run(*args):
+        t0 = time.perf_counter()
+        out = compiled(*args)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    return run
 
 
 def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=False, lowering="inductor",

@@ -244,6 +244,26 @@ def cmd_passes(a) -> int:
     return 0
 
 
+def cmd_calibrate(a) -> int:
+    import json
+
+    from metainfer import calibrate
+
+    m = calibrate.measure([r for r in a.ranks if r > 1], quick=a.quick, progress=lambda s: print(s, file=sys.stderr))
+    print(calibrate.table(m), file=sys.stderr)
+    text = calibrate.to_toml(m, a.target)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+        print(f"wrote {a.out}", file=sys.stderr)
+    else:
+        print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(m.to_dict(), f, indent=1)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="metainfer", description="Compiler passes for LLM inference on long-tail "
                                  "accelerators: optimize a model for a target and report what each pass did.")
@@ -326,6 +346,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
     b.add_argument("--json", metavar="FILE", help="write the workload and every row as JSON")
     b.set_defaults(fn=cmd_bench_serving)
+
+    cal = sub.add_parser("calibrate", help="measure this machine (GEMM, memory, per-kernel overhead, gloo) and "
+                         "write a target TOML with the measured numbers",
+                         description="Measure this machine and write the target TOML the cost model prices it "
+                         "with (method: metainfer/calibrate.py, docs/cost-model.md).")
+    cal.add_argument("--target", default="cpu", choices=("cpu",), help="the target to calibrate (only cpu here: "
+                     "bench/calibrate_gpu.py on a GPU machine)")
+    cal.add_argument("--out", metavar="FILE", help="write the TOML here (default: print it)")
+    cal.add_argument("--ranks", type=_positive_int, nargs="*", default=[2], metavar="N",
+                     help="gloo loopback collectives over these rank counts (default 2; none: skip)")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 20 s)")
+    cal.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
+    cal.set_defaults(fn=cmd_calibrate)
 
     c = sub.add_parser("cache", help="show or clear the compile cache")
     c.add_argument("action", choices=("info", "clear"), help="info: files and bytes held; clear: remove them")

@@ -227,15 +227,17 @@ class OpCost:
     priced_by_bytes: bool = False  # an op the model does not know: its FLOPs are not counted
 
 
-def roofline(flops: float, nbytes: float, dtype_key: str, target: Target) -> OpCost:
-    """max(FLOPs / peak, bytes / bandwidth) + launch overhead on one device of `target`."""
+def roofline(flops: float, nbytes: float, dtype_key: str, target: Target, overhead_s: float | None = None) -> OpCost:
+    """max(FLOPs / peak, bytes / bandwidth) + launch overhead (or `overhead_s`) on one device
+    of `target`."""
     dev = target.device
+    overhead = dev.launch_overhead_s if overhead_s is None else overhead_s
     compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.memory_bandwidth
     body = max(compute, memory)
     bound = "compute" if compute >= memory else "memory"
-    if dev.launch_overhead_s > body:
+    if overhead > body:
         bound = "launch"
-    return OpCost(flops, nbytes, body + dev.launch_overhead_s, bound)
+    return OpCost(flops, nbytes, body + overhead, bound)
 
 
 def _val(x):
@@ -341,7 +343,8 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
             flops = sum(numel(t) for t in out)
         else:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
-    c = roofline(flops, moved, key, target)
+    custom = target.device.custom_op_overhead_s if ns == "metainfer" else None
+    c = roofline(flops, moved, key, target, custom)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 

@@ -31,6 +31,7 @@ class GraphSection:
     recompile_reasons: list[str] = field(default_factory=list)  # guards of earlier graphs that failed
     schedule: Any = None  # metainfer.simulate.Schedule of the final graph (None when served from cache)
     simulation_error: str | None = None
+    call_seconds: list[float] = field(default_factory=list)  # wall time per call, when the backend times calls
 
     @property
     def prediction(self) -> dict[str, Any] | None:

@@ -41,6 +41,9 @@ class DeviceSpec:
     memory_bandwidth: float  # bytes/s
     launch_overhead_s: float
     arch: str = ""  # e.g. "sm_89"; selects kernel block sizes in lowering/
+    # a call of one of metainfer's custom ops from a compiled graph (Python dispatch around
+    # the kernel); None: the same as any kernel's launch
+    custom_op_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         memory_bandwidth=dev.positive("memory_bandwidth_gbs") * 1e9,
         launch_overhead_s=dev.non_negative("launch_overhead_us") * 1e-6,
         arch=dev.str("arch", default=""),
+        custom_op_overhead_s=(None if dev.get("custom_op_overhead_us") is None
+                              else dev.non_negative("custom_op_overhead_us") * 1e-6),
     )
     single = num_devices == 1
     topo = r.table("topology", optional=single)

@@ -1,0 +1,247 @@
+"""Calibration: measure this machine and write the target TOML the cost model prices it with.
+
+    metainfer calibrate --target cpu [--out cpu-calibrated.toml] [--ranks 2 4] [--quick]
+
+What is measured (each the median of repeated timings after a warm-up):
+- matmul throughput (GFLOP/s) by shape class: a large square GEMM (the peak the roofline
+  uses), a prefill-shaped one and a decode-shaped one (reported: how far below the peak
+  skinny GEMMs run), in float32 and bfloat16;
+- memory bandwidth: a large copy, bytes read + written per second;
+- per-kernel overhead: the time per kernel of a compiled graph of many tiny kernels that
+  cannot fuse (Inductor's extern matmul calls on 16 x 16 tensors), the cost one more kernel adds;
+- gloo loopback collectives: all-reduce and all-gather over 2 (and 4) ranks on 127.0.0.1 at
+  sizes from 4 KiB to 16 MiB, fitted to the ring model t = steps x (alpha + chunk / beta):
+  alpha (latency) and beta (bandwidth) become the target's intra-island link.
+
+The TOML keeps the base target's structure (the cpu target: one device) and replaces its
+numbers with the measured ones, each with a comment saying what was measured and when.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Measurements:
+    machine: str
+    when: str
+    torch_threads: int
+    matmul_gflops: dict[str, float] = field(default_factory=dict)  # "fp32 large" -> GFLOP/s
+    copy_gbs: float = 0.0
+    kernel_overhead_us: float = 0.0
+    custom_op_overhead_us: float = 0.0
+    collectives: dict[str, dict] = field(default_factory=dict)  # "all_reduce 2" -> {alpha_us, beta_gbs, points}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _median_seconds(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+MATMUL_SHAPES = {  # class -> (M, K, N)
+    "large": (2048, 2048, 2048),
+    "prefill": (512, 2048, 2048),
+    "decode": (8, 2048, 2048),
+}
+
+
+def measure_matmuls(quick: bool = False) -> dict[str, float]:
+    import torch
+
+    out = {}
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for cls, (m, k, n) in MATMUL_SHAPES.items():
+            if label == "bf16" and cls == "large" and quick:
+                continue
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            probe = _median_seconds(lambda: a @ b, 1, warmup=1)
+            repeat = max(3, min(50, int(0.5 / max(probe, 1e-6))))  # ~0.5 s of timing per shape
+            if probe > 2.0:  # a dtype without a fast GEMM here (bf16 on most CPUs): one timing
+                repeat = 1
+            out[f"{label} {cls}"] = 2 * m * k * n / _median_seconds(lambda: a @ b, repeat, warmup=0) / 1e9
+    return out
+
+
+def measure_copy(quick: bool = False) -> float:
+    """GB/s of a large tensor copy, counting the bytes read and the bytes written."""
+    import torch
+
+    n = (64 if quick else 256) * 2**20 // 4
+    src, dst = torch.randn(n), torch.empty(n)
+    seconds = _median_seconds(lambda: dst.copy_(src), 5 if quick else 10)
+    return 2 * src.numel() * 4 / seconds / 1e9
+
+
+def measure_kernel_overhead(kernels: int = 64, size: int = 16) -> float:
+    """Microseconds per kernel of an Inductor-compiled chain of `kernels` 16 x 16 matmuls
+    (extern calls that never fuse; their 8 KFLOP are noise). Smaller ones would not measure
+    it: Inductor turns a 1 x 1 matmul into a pointwise multiply and fuses the chain."""
+    import torch
+
+    def chain(x, w):
+        for _ in range(kernels):
+            x = x @ w
+        return x
+
+    compiled = torch.compile(chain, backend="inductor", dynamic=False)
+    x, w = torch.ones(size, size) / size, torch.ones(size, size) / size
+    seconds = _median_seconds(lambda: compiled(x, w), 200, warmup=3)
+    return seconds / kernels * 1e6
+
+
+def measure_custom_op_overhead(calls: int = 32) -> float:
+    """Microseconds per call of one of metainfer's custom ops (rmsnorm on one row of 16) from
+    an Inductor-compiled graph: Python dispatch around a kernel, which a fused ATen kernel does
+    not pay. Minus the per-kernel overhead, it is what the cost model adds per custom op."""
+    import torch
+
+    import metainfer.lowering.ops  # noqa: F401  (registers the ops)
+
+    def chain(x, w):
+        for _ in range(calls):
+            x = torch.ops.metainfer.rmsnorm(x, w, 1e-6, 0.0, torch.float32)
+        return x
+
+    compiled = torch.compile(chain, backend="inductor", dynamic=False)
+    x, w = torch.ones(1, 16), torch.ones(16)
+    seconds = _median_seconds(lambda: compiled(x, w), 100, warmup=3)
+    return seconds / calls * 1e6
+
+
+def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    out = {"all_reduce": {}, "all_gather": {}}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        gathered = torch.empty(world * (nbytes // 4 // world))
+        part = torch.ones(nbytes // 4 // world)
+        for kind, fn in (("all_reduce", lambda: dist.all_reduce(x)),
+                         ("all_gather", lambda: dist.all_gather_into_tensor(gathered, part))):
+            dist.barrier()
+            out[kind][nbytes] = _median_seconds(fn, repeat)
+    return out
+
+
+def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of t = steps (alpha + (M / n) / beta), least squares;
+    steps = 2(n-1) for all-reduce, n-1 for all-gather (M the whole buffer)."""
+    steps = 2 * (world - 1) if kind == "all_reduce" else world - 1
+    xs = [m / world for m in points]  # bytes per step
+    ys = [t / steps for t in points.values()]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:  # latency-bound at every size (a loaded machine): bandwidth from the largest
+        big = max(points)
+        return min(points.values()) / steps, (big / world) / (points[big] / steps)
+    return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict]:
+    from metainfer import multirank
+
+    sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if quick else [16 << 20])
+    out = {}
+    for world in ranks:
+        results = multirank.run(_collective_timings, world_size=world, args=(sizes, 5 if quick else 10),
+                                timeout_s=300)
+        for kind in ("all_reduce", "all_gather"):
+            # the slowest rank's time at each size: a collective ends when its last rank does
+            points = {m: max(r[kind][m] for r in results) for m in sizes}
+            alpha, beta = fit_ring(points, world, kind)
+            out[f"{kind} {world}"] = {"alpha_us": alpha * 1e6, "beta_gbs": beta / 1e9,
+                                      "points_us": {str(m): t * 1e6 for m, t in points.items()}}
+    return out
+
+
+def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Measurements:
+    import torch
+
+    m = Measurements(machine=f"{platform.node()} ({platform.processor() or platform.machine()})",
+                     when=datetime.date.today().isoformat(), torch_threads=torch.get_num_threads())
+    progress("matmuls ...")
+    m.matmul_gflops = measure_matmuls(quick)
+    progress("memory bandwidth ...")
+    m.copy_gbs = measure_copy(quick)
+    progress("per-kernel overhead ...")
+    m.kernel_overhead_us = measure_kernel_overhead()
+    m.custom_op_overhead_us = measure_custom_op_overhead()
+    if ranks:
+        progress(f"gloo collectives over {', '.join(map(str, ranks))} ranks ...")
+        m.collectives = measure_collectives(list(ranks), quick)
+    return m
+
+
+def to_toml(m: Measurements, base: str = "cpu") -> str:
+    """The base target's TOML with the measured numbers in place of its own."""
+    from metainfer import targets
+
+    t = targets.get(base)
+    fp32 = m.matmul_gflops["fp32 large"]
+    bf16 = max(v for k, v in m.matmul_gflops.items() if k.startswith("bf16"))
+    classes = ", ".join(f"{k} {v:.1f}" for k, v in m.matmul_gflops.items())
+    # the link: the all-reduce fit over the fewest ranks (the others share the cores it has)
+    ar = sorted((int(k.split()[1]), v) for k, v in m.collectives.items() if k.startswith("all_reduce"))
+    link = (ar[0][1]["beta_gbs"], ar[0][1]["alpha_us"]) if ar else None
+    lines = [
+        f"# {t.name} calibrated by `metainfer calibrate` on {m.machine}, {m.when},",
+        f"# torch with {m.torch_threads} threads. Every number below was measured then.",
+        f'name = "{t.name}-calibrated"',
+        f'description = "{t.description}, calibrated {m.when}"',
+        f"num_devices = {t.num_devices}",
+        "",
+        "[device]",
+        f'kind = "{t.device.kind}"',
+        f'name = "{t.device.name}"',
+        f"# GEMM GFLOP/s by class ({classes}); the peak is the large square GEMM's",
+        f"peak_tflops = {{ fp32 = {fp32 / 1e3:.6g}, bf16 = {bf16 / 1e3:.6g}, fp16 = {bf16 / 1e3:.6g} }}",
+        "# a large copy, bytes read + written per second",
+        f"memory_bandwidth_gbs = {m.copy_gbs:.4g}",
+        f"memory_gib = {t.device.memory_bytes / 2**30:.4g}",
+        "# per kernel of an Inductor-compiled chain of 16 x 16 matmuls (kernels that never fuse)",
+        f"launch_overhead_us = {m.kernel_overhead_us:.3g}",
+        "# per call of a metainfer custom op from a compiled graph (rmsnorm on 16 elements)",
+        f"custom_op_overhead_us = {m.custom_op_overhead_us:.3g}",
+        "",
+        "[topology]",
+        f'interconnect = "{t.topology.interconnect}"',
+        f"islands = {[list(i) for i in t.topology.islands]}",
+        f"p2p = {'true' if t.topology.p2p else 'false'}",
+    ]
+    if link:
+        fits = "; ".join(f"{k}: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s"
+                         for k, v in m.collectives.items())
+        lines += [f"# gloo on 127.0.0.1 fitted to the ring model ({fits})",
+                  f"intra_island = {{ bandwidth_gbs = {link[0]:.4g}, latency_us = {link[1]:.3g} }}"]
+    else:
+        lines += [f"intra_island = {{ bandwidth_gbs = {t.topology.intra_island.bandwidth / 1e9:.4g}, "
+                  f"latency_us = {t.topology.intra_island.latency_s * 1e6:.3g} }}"]
+    lines += ["", "[collectives]", f'backend = "{t.collective_backend}"', ""]
+    return "\n".join(lines)
+
+
+def table(m: Measurements) -> str:
+    rows = [f"matmul {k}: {v:.1f} GFLOP/s" for k, v in m.matmul_gflops.items()]
+    rows.append(f"copy: {m.copy_gbs:.1f} GB/s (read + write)")
+    rows.append(f"per-kernel overhead (compiled): {m.kernel_overhead_us:.2f} us")
+    rows.append(f"per custom-op call (compiled): {m.custom_op_overhead_us:.2f} us")
+    for k, v in m.collectives.items():
+        rows.append(f"gloo {k} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
+    return "\n".join(rows)

@@ -1,0 +1,66 @@
+"""Calibration: the ring fit recovers hand-made alpha and beta, the TOML it writes loads as a
+target with the measured numbers, and a quick run measures this machine end to end."""
+
+import pytest
+
+from metainfer import calibrate, cost, targets
+
+
+def test_ring_fit_recovers_alpha_and_beta():
+    alpha, beta, world = 50e-6, 2e9, 4
+    for kind, steps in (("all_reduce", 6), ("all_gather", 3)):
+        points = {m: steps * (alpha + (m / world) / beta) for m in (4096, 65536, 1 << 20, 16 << 20)}
+        a, b = calibrate.fit_ring(points, world, kind)
+        assert a == pytest.approx(alpha) and b == pytest.approx(beta)
+
+
+def test_a_latency_bound_fit_falls_back_to_the_largest_message():
+    points = {4096: 1e-3, 1 << 20: 0.9e-3}  # slower for less data: noise, no slope to fit
+    a, b = calibrate.fit_ring(points, 2, "all_reduce")
+    assert a == pytest.approx(0.9e-3 / 2) and b == pytest.approx((1 << 19) / (0.9e-3 / 2))
+
+
+def _measured():
+    return calibrate.Measurements(
+        machine="test", when="2026-12-03", torch_threads=2,
+        matmul_gflops={"fp32 large": 400.0, "fp32 decode": 120.0, "bf16 large": 2800.0}, copy_gbs=30.0,
+        kernel_overhead_us=1.1, custom_op_overhead_us=25.0,
+        collectives={"all_reduce 2": {"alpha_us": 120.0, "beta_gbs": 1.2, "points_us": {}},
+                     "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}}})
+
+
+def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
+    path = tmp_path / "cpu-calibrated.toml"
+    path.write_text(calibrate.to_toml(_measured()))
+    t = targets.load(path)
+    assert t.name == "cpu-calibrated" and t.num_devices == 1
+    assert t.device.peak_flops["fp32"] == pytest.approx(400e9) and t.device.peak_flops["bf16"] == pytest.approx(2.8e12)
+    assert t.device.memory_bandwidth == pytest.approx(30e9)
+    assert t.device.launch_overhead_s == pytest.approx(1.1e-6)
+    assert t.device.custom_op_overhead_s == pytest.approx(25e-6)
+    # the two-rank all-reduce fit is the link (the four ranks share the two ranks' cores)
+    assert t.topology.intra_island.bandwidth == pytest.approx(1.2e9)
+    assert t.topology.intra_island.latency_s == pytest.approx(120e-6)
+
+
+def test_custom_ops_pay_their_dispatch_overhead(tmp_path):
+    import torch
+
+    from metainfer.testing import capture_graph, run_pass
+
+    path = tmp_path / "t.toml"
+    path.write_text(calibrate.to_toml(_measured()))
+    t = targets.load(path)
+    gm, _ = capture_graph(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                          torch.randn(4, 64), torch.randn(64))
+    after, _ = run_pass("fuse_rmsnorm", gm)
+    (op,) = [n for n in after.graph.nodes if "metainfer.rmsnorm" in str(n.target)]
+    c = cost.op_cost(op, t)
+    assert c.seconds == pytest.approx(max(c.flops / 400e9, c.bytes / 30e9) + 25e-6)
+
+
+def test_a_quick_calibration_of_this_machine():
+    m = calibrate.measure([], quick=True, progress=lambda s: None)
+    assert m.matmul_gflops["fp32 large"] > 1 and m.copy_gbs > 0.1
+    assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us  # Python dispatch costs more than a C++ call
+    targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")

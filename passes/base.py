@@ -39,6 +39,9 @@ class Pass:
     profitable_kinds: tuple[str, ...] = ("cpu", "cuda")  # where the default pipeline runs it
     unprofitable_why: str = ""
     needs_collectives: bool = False  # rewrites collectives: nothing to do on one device or an unsharded graph
+    # replaces what the lowering would fuse by itself with a custom op: the manager keeps the
+    # rewrite only where the cost model predicts the graph no slower with it (see PassManager)
+    cost_gated: bool = False
 
     def skip_reason(self, target: Target, explicit: bool = False) -> str | None:
         """None if the pass should run for `target`, else why not. A pass the user named

@@ -85,6 +85,7 @@ class FuseAttention(Pass):
     """softmax(q k^T * scale + mask) v (eager and SDPA forms) -> metainfer::attention"""
 
     name = "fuse_attention"
+    cost_gated = True
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

@@ -43,6 +43,7 @@ class FuseRMSNorm(Pass):
     """x * rsqrt(mean(x^2) + eps) * w (optionally after x = a + b) -> metainfer::rmsnorm / add_rmsnorm"""
 
     name = "fuse_rmsnorm"
+    cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
 

@@ -24,6 +24,7 @@ class FuseRoPE(Pass):
     """x * cos + rotate_half(x) * sin -> metainfer::rope"""
 
     name = "fuse_rope"
+    cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
 

@@ -23,6 +23,7 @@ class FuseSwiGLU(Pass):
     """silu(gate) * up -> metainfer::swiglu"""
 
     name = "fuse_swiglu"
+    cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
 

@@ -186,6 +186,14 @@ class PassManager(CustomGraphPass):
                 continue
             before = graph_text(graph) if self.keep_graphs else None
             t0 = time.perf_counter()
+            declined = self._declined_by_cost(p, graph, ctx, schedule)
+            if declined is not None:
+                rec.seconds, rec.ran, rec.decisions = time.perf_counter() - t0, True, [declined]
+                if schedule is not None:
+                    rec.predicted_before_s = rec.predicted_after_s = schedule.step_seconds
+                    rec.floor_after_s, rec.exposed_after_s = schedule.floor_seconds, schedule.exposed_comm_seconds
+                records.append(rec)
+                continue
             try:
                 result = p.run(graph, ctx)
                 if not isinstance(result, PassResult):
@@ -214,6 +222,32 @@ class PassManager(CustomGraphPass):
             records.append(rec)
         self.schedule = schedule
         return records
+
+    def _declined_by_cost(self, p: Pass, graph: torch.fx.Graph, ctx: PassContext, schedule) -> str | None:
+        """For a cost-gated pass: run it on a copy, and if the simulator predicts the copy
+        slower than the graph, the reason to leave the graph as it is (None: run the pass).
+        Only on a target that says what a custom-op call costs (`custom_op_overhead_us`, which
+        `metainfer calibrate` measures): without it the model cannot weigh a custom op against
+        the kernels the lowering would generate. Option `cost_gates=False` turns the gate off."""
+        if (not p.cost_gated or schedule is None or not self.options.get("cost_gates", True)
+                or self.target.device.custom_op_overhead_s is None):
+            return None
+        from .lookahead import copy_graph
+
+        trial = copy_graph(graph)
+        try:
+            result = p.run(trial, ctx)
+        except Exception as e:
+            raise PassError(p.name, self.graph_index, e) from e
+        if not result.modified:
+            return None
+        trial.eliminate_dead_code()
+        after = self._predict(trial)
+        if after is None or after.step_seconds <= schedule.step_seconds:
+            return None
+        return (f"declined {result.matches} match(es): the cost model predicts the graph slower with them on "
+                f"{self.target.name} ({schedule.step_seconds * 1e6:.1f} -> {after.step_seconds * 1e6:.1f} us: the "
+                f"fused op costs more than the kernels the lowering fuses by itself)")
 
     def _predict(self, graph: torch.fx.Graph):
         """The simulator's schedule of `graph` on the target; None (and the reason kept) if it

@@ -64,3 +64,37 @@ def test_a_quick_calibration_of_this_machine():
     assert m.matmul_gflops["fp32 large"] > 1 and m.copy_gbs > 0.1
     assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us  # Python dispatch costs more than a C++ call
     targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
+
+
+def _norm_graph(rows):
+    import torch
+
+    from metainfer.testing import capture_graph
+
+    return capture_graph(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+                         torch.randn(rows, 4096), torch.randn(4096))[0]
+
+
+def _with_custom_op_cost(seconds):
+    import dataclasses
+
+    t = targets.get("cpu")
+    return dataclasses.replace(t, device=dataclasses.replace(t.device, custom_op_overhead_s=seconds))
+
+
+def test_a_fusion_the_calibrated_model_finds_slower_is_declined():
+    """A custom op whose call costs 1 ms replaces one fused kernel of ~8 us on 2 rows: the
+    manager keeps the graph and says why; with the gate off, or at 1 us a call, it fuses."""
+    from metainfer.passes import PassManager, get_pass
+
+    cases = [(_with_custom_op_cost(1e-3), {}, 0), (_with_custom_op_cost(1e-3), {"cost_gates": False}, 1),
+             (_with_custom_op_cost(1e-6), {}, 1), (targets.get("cpu"), {}, 1)]  # built-in: no custom-op cost, no gate
+    for target, options, matches in cases:
+        gm = _norm_graph(2)
+        manager = PassManager([get_pass("fuse_rmsnorm")], target, explicit=True, options=options)
+        (rec,) = manager.run(gm.graph)
+        assert rec.matches == matches, (target.device.custom_op_overhead_s, options, rec.decisions)
+        fused = any("metainfer.rmsnorm" in str(n.target) for n in gm.graph.nodes)
+        assert fused == bool(matches)
+        if not matches:
+            assert rec.decisions[0].startswith("declined 1 match(es): the cost model predicts the graph slower")

@@ -12,8 +12,13 @@ wall time of the compiled graph's own calls (the backend times them; Dynamo's gu
 model wrapper are outside), after warm-up calls. Error = predicted / measured - 1.
 
 Without --target, the machine is calibrated first (`metainfer calibrate`, ranks skipped) and
-its TOML used. The last line is JSON: {"graphs": n, "median_abs_error": x, "decisions": n,
-"decisions_agree": m}; pass decisions are not measured by this version (0 and 0).
+its TOML used. Then the pass decisions that can be measured on one CPU device (fuse_rmsnorm,
+fuse_swiglu, fuse_rope, fuse_attention in Llama's prefill and decode graphs; mla_decode's
+absorbed form in DeepSeek-V3's): what the cost model predicts for the pass (its record's
+predicted step before and after, with the cost gates off so every pass runs; mla_decode: its own
+rule fired) against the measured graph time with the pass and with it disabled; a measured
+difference under 5% agrees with either choice. The last line is JSON: {"graphs": n,
+"median_abs_error": x, "decisions": n, "decisions_agree": m}.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch  # noqa: E402
 
 import metainfer  # noqa: E402
 from metainfer import targets  # noqa: E402
+from metainfer.passes.pipeline import DEFAULT_ORDER  # noqa: E402
 from metainfer.testing import tiny_hf_model  # noqa: E402
 
 DEEPSEEK = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=8,
@@ -110,6 +116,79 @@ def graphs(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list
     return rows
 
 
+# pass decisions measured on one CPU device: (model, case, pass, graph phase)
+DECISIONS = [("llama", "prefill 1x512", p, "forward") for p in ("fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_attention")]
+DECISIONS += [("llama", "generate 2x64 +16", p, "decode") for p in ("fuse_rmsnorm", "fuse_swiglu", "fuse_rope",
+                                                                     "fuse_attention")]
+DECISIONS += [("deepseek-v3", "generate 2x64 +16", "mla_decode", "decode"),
+              ("deepseek-v3", "prefill 1x512", "mla_decode", "forward")]
+TIE = 0.05  # measured within 5%: either choice is right
+
+
+def _phase_time(report, phase: str) -> float:
+    return sum(statistics.median(s.call_seconds[len(s.call_seconds) // 3:]) for s in report.sections
+               if s.phase == phase and s.call_seconds)
+
+
+def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list[dict]:
+    """For each pass decision: what the cost model predicts (the pass's record in a run with the
+    cost gates off: predicted step before vs after it; for mla_decode, whether its own rule fired)
+    and what the measurement favours (the run with the pass vs the same run with it disabled)."""
+    rows = []
+    for name in models:
+        wanted = [d for d in DECISIONS if d[0] == name]
+        if not wanted:
+            continue
+        model = _model(name)
+        vocab = model.config.vocab_size
+        inputs = {"prefill 1x512": (_run_forward, torch.randint(3, vocab, (1, 512), generator=torch.Generator().manual_seed(0))),
+                  "generate 2x64 +16": (_run_generate, torch.randint(3, vocab, (2, 64),
+                                                                     generator=torch.Generator().manual_seed(1)))}
+        for case in dict.fromkeys(d[1] for d in wanted):
+            run, ids = inputs[case]
+            t0 = time.perf_counter()
+
+            def measured(disable=()):
+                torch._dynamo.reset()
+                # every pass named (the pointwise fusions are off by default on CPU), gates off
+                opt = metainfer.optimize(model, target, passes=list(DEFAULT_ORDER), disable=disable,
+                                         pass_options={"cost_gates": False}, cache_dir=cache_dir)
+                opt._backend.time_calls = True
+                run(opt, ids)
+                return opt.report
+
+            base = measured()
+            for _, _, pass_name, phase in [d for d in wanted if d[1] == case]:
+                recs = [r for s in base.sections if s.phase == phase for r in s.records if r.name == pass_name]
+                fired = [r for r in recs if r.matches]
+                if not fired:
+                    continue  # nothing to decide in this graph
+                if pass_name == "mla_decode":
+                    pays = True  # fired: its rule chose the absorbed form
+                else:
+                    pays = all(r.predicted_after_s <= r.predicted_before_s for r in fired)
+                without = measured(disable=(pass_name,))
+                on, off = _phase_time(base, phase), _phase_time(without, phase)
+                tie = abs(on - off) / min(on, off) < TIE
+                rows.append({"model": name, "case": case, "pass": pass_name, "phase": phase,
+                             "model_says": "apply" if pays else "decline",
+                             "measured_on_s": on, "measured_off_s": off,
+                             "measurement_favours": "either" if tie else ("apply" if on < off else "decline"),
+                             "agree": tie or (pays == (on < off))})
+            progress(f"decisions {name} {case}: {time.perf_counter() - t0:.0f} s")
+    return rows
+
+
+def decision_table(rows: list[dict]) -> str:
+    out = ["| model | graph | pass | model says | measured with / without | favours | agree |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['case']}, {r['phase']} | {r['pass']} | {r['model_says']} | "
+                   f"{r['measured_on_s'] * 1e3:.3f} / {r['measured_off_s'] * 1e3:.3f} ms | {r['measurement_favours']} | "
+                   f"{'yes' if r['agree'] else 'NO'} |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | graph | predicted ms | measured ms | error |", "|---|---|---|---|---|"]
     for r in rows:
@@ -123,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", help="a calibrated target TOML (default: calibrate this machine first)")
     ap.add_argument("--json", action="store_true", help="print every row as JSON before the summary line")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
+    ap.add_argument("--decisions-only", action="store_true", help="skip the per-graph rows")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     if a.target:
@@ -136,15 +216,19 @@ def main(argv=None) -> int:
             f.write(calibrate.to_toml(m))
         print(calibrate.table(m))
         target = targets.load(path)
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as cache:
-        rows = graphs(target, cache, a.models, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        rows = [] if a.decisions_only else graphs(target, cache, a.models, progress=say)
+        chosen = decisions(target, cache, a.models, progress=say)
     print(f"\ntarget {target.name}: peak fp32 {target.device.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, "
           f"{target.device.memory_bandwidth / 1e9:.1f} GB/s, {target.device.launch_overhead_s * 1e6:.2f} us per kernel")
     print(table(rows))
+    print()
+    print(decision_table(chosen))
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"graphs": rows, "decisions": chosen}, indent=1))
     summary = {"graphs": len(rows), "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,
-               "decisions": 0, "decisions_agree": 0}
+               "decisions": len(chosen), "decisions_agree": sum(r["agree"] for r in chosen)}
     print(json.dumps(summary))
     return 0
 

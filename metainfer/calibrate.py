@@ -9,6 +9,8 @@ What is measured (each the median of repeated timings after a warm-up):
 - memory bandwidth: a large copy, bytes read + written per second;
 - per-kernel overhead: the time per kernel of a compiled graph of many tiny kernels that
   cannot fuse (Inductor's extern matmul calls on 16 x 16 tensors), the cost one more kernel adds;
+- per-call overhead of each metainfer custom op (Python dispatch, checks, the CPU path's fixed
+  work) on tiny inputs, and for moe_experts the cost of each expert with tokens;
 - gloo loopback collectives: all-reduce and all-gather over 2 (and 4) ranks on 127.0.0.1 at
   sizes from 4 KiB to 16 MiB, fitted to the ring model t = steps x (alpha + chunk / beta):
   alpha (latency) and beta (bandwidth) become the target's intra-island link.
@@ -34,7 +36,8 @@ class Measurements:
     matmul_gflops: dict[str, float] = field(default_factory=dict)  # "fp32 large" -> GFLOP/s
     copy_gbs: float = 0.0
     kernel_overhead_us: float = 0.0
-    custom_op_overhead_us: float = 0.0
+    custom_op_overhead_us: dict[str, float] = field(default_factory=dict)  # op -> us per call
+    custom_op_slowdown: dict[str, float] = field(default_factory=dict)  # op -> measured work / roofline
     collectives: dict[str, dict] = field(default_factory=dict)  # "all_reduce 2" -> {alpha_us, beta_gbs, points}
 
     def to_dict(self) -> dict:
@@ -103,23 +106,94 @@ def measure_kernel_overhead(kernels: int = 64, size: int = 16) -> float:
     return seconds / kernels * 1e6
 
 
-def measure_custom_op_overhead(calls: int = 32) -> float:
-    """Microseconds per call of one of metainfer's custom ops (rmsnorm on one row of 16) from
-    an Inductor-compiled graph: Python dispatch around a kernel, which a fused ATen kernel does
-    not pay. Minus the per-kernel overhead, it is what the cost model adds per custom op."""
+def _per_call_us(fn, args, calls: int) -> float:
+    """Microseconds per call of `fn` chained `calls` times (its output is its first input) in
+    an Inductor-compiled graph."""
+    import torch
+
+    def chain(x, *rest):
+        for _ in range(calls):
+            x = fn(x, *rest)
+        return x
+
+    compiled = torch.compile(chain, backend="inductor", dynamic=False)
+    seconds = _median_seconds(lambda: compiled(*args), 50, warmup=3)
+    torch._dynamo.reset()
+    return seconds / calls * 1e6
+
+
+def measure_custom_op_overheads(calls: int = 16) -> dict[str, float]:
+    """Microseconds per call of each of metainfer's custom ops on tiny inputs from a compiled
+    graph: Python dispatch, input checks and the CPU path's fixed work around a kernel, which
+    a fused ATen kernel does not pay. For moe_experts, also the cost of each expert that
+    received tokens (its CPU path loops over them on the host): `moe_experts_per_expert`."""
     import torch
 
     import metainfer.lowering.ops  # noqa: F401  (registers the ops)
 
-    def chain(x, w):
-        for _ in range(calls):
-            x = torch.ops.metainfer.rmsnorm(x, w, 1e-6, 0.0, torch.float32)
-        return x
+    ops, f32 = torch.ops.metainfer, torch.float32
+    r = lambda *shape: torch.randn(*shape)  # noqa: E731
+    out = {
+        "rmsnorm": _per_call_us(lambda x, w: ops.rmsnorm(x, w, 1e-6, 0.0, f32), (r(1, 16), r(16)), calls),
+        "swiglu": _per_call_us(lambda x, u: ops.swiglu(x, u), (r(1, 16), r(1, 16)), calls),
+        "rope": _per_call_us(lambda x, c, s: ops.rope(x, c, s), (r(1, 1, 1, 16), r(1, 1, 1, 16), r(1, 1, 1, 16)),
+                             calls),
+        "attention": _per_call_us(lambda q, k, v: ops.attention(q, k, v, None, 0.25, False, 0, False),
+                                  (r(1, 2, 1, 16), r(1, 1, 4, 16), r(1, 1, 4, 16)), calls),
+        "mla_decode": _per_call_us(lambda q, p, c, k: ops.mla_decode(q, p, c, k, None, None, 0.2, False, 0, False),
+                                   (r(1, 2, 1, 16), r(1, 2, 1, 8), r(1, 4, 16), r(1, 4, 8)), calls),
+    }
 
-    compiled = torch.compile(chain, backend="inductor", dynamic=False)
-    x, w = torch.ones(1, 16), torch.ones(16)
-    seconds = _median_seconds(lambda: compiled(x, w), 100, warmup=3)
-    return seconds / calls * 1e6
+    def experts(n: int) -> float:
+        E, H, I = 8, 16, 16
+        ids = torch.arange(n, dtype=torch.int64)[None] % E  # one token routed to n experts
+        return _per_call_us(lambda x, i, w, g, u, d: ops.moe_experts(x, i, w, g, u, d, None, None, None, 128, 128),
+                            (r(1, H), ids, torch.rand(1, n), r(E, I, H), r(E, I, H), r(E, H, I)), calls)
+
+    one, eight = experts(1), experts(8)
+    out["moe_experts_per_expert"] = max(0.0, (eight - one) / 7)
+    out["moe_experts"] = max(0.0, one - out["moe_experts_per_expert"])
+    return out
+
+
+def _large_op_calls():
+    """(op name, fn, args) at sizes where the work dominates the call."""
+    import torch
+
+    ops, f32, r = torch.ops.metainfer, torch.float32, torch.randn
+    return [
+        ("rmsnorm", lambda x, w: ops.rmsnorm(x, w, 1e-6, 0.0, f32), (r(2048, 1024), r(1024))),
+        ("swiglu", lambda x, u: ops.swiglu(x, u), (r(2048, 2816), r(2048, 2816))),
+        ("rope", lambda x, c, s: ops.rope(x, c, s), (r(1, 8, 2048, 64), r(1, 1, 2048, 64), r(1, 1, 2048, 64))),
+        ("attention", lambda q, k, v: ops.attention(q, k, v, None, 0.125, True, 0, False),
+         (r(1, 8, 1024, 64), r(1, 2, 1024, 64), r(1, 2, 1024, 64))),
+        ("mla_decode", lambda q, p, c, k: ops.mla_decode(q, p, c, k, None, None, 0.1, True, 1023, False),
+         (r(4, 16, 1, 128), r(4, 16, 1, 32), r(4, 1024, 128), r(4, 1024, 32))),
+    ]
+
+
+def measure_custom_op_slowdowns(target, overheads: dict[str, float]) -> dict[str, float]:
+    """How many times its roofline (on `target`, the numbers measured above) each custom op's
+    work takes on this machine, from one call at a size where the work dominates: on CPU an
+    op runs its CPU path (eager torch, several passes over the data), not a fused kernel."""
+    import dataclasses
+
+    import torch
+
+    from metainfer import cost
+    from metainfer.testing import capture_graph
+
+    bare = dataclasses.replace(target, device=dataclasses.replace(
+        target.device, launch_overhead_s=0.0, custom_op_overhead_s=0.0, custom_op_overheads={}))
+    out = {}
+    for name, fn, args in _large_op_calls():
+        measured = _per_call_us(fn, args, 4) - overheads.get(name, 0.0)
+        gm, _ = capture_graph(fn, *args)
+        (node,) = [n for n in gm.graph.nodes if f"metainfer.{name}" in str(n.target)]
+        body = cost.price_graph(gm.graph, bare)[node].seconds * 1e6
+        out[name] = max(1.0, measured / body) if body > 0 else 1.0
+        torch._dynamo.reset()
+    return out
 
 
 def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) -> dict:
@@ -182,11 +256,23 @@ def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Mea
     m.copy_gbs = measure_copy(quick)
     progress("per-kernel overhead ...")
     m.kernel_overhead_us = measure_kernel_overhead()
-    m.custom_op_overhead_us = measure_custom_op_overhead()
+    m.custom_op_overhead_us = measure_custom_op_overheads()
+    progress("custom ops against their roofline ...")
+    import tomllib
+
+    from metainfer import targets
+
+    provisional = targets.from_dict(tomllib.loads(to_toml(m)), "calibration in progress")
+    m.custom_op_slowdown = measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us)
     if ranks:
         progress(f"gloo collectives over {', '.join(map(str, ranks))} ranks ...")
         m.collectives = measure_collectives(list(ranks), quick)
     return m
+
+
+def _default_overhead(per_op: dict[str, float]) -> float:
+    pointwise = sorted(per_op[k] for k in ("rmsnorm", "swiglu", "rope") if k in per_op)
+    return pointwise[len(pointwise) // 2] if pointwise else 0.0
 
 
 def to_toml(m: Measurements, base: str = "cpu") -> str:
@@ -214,11 +300,23 @@ def to_toml(m: Measurements, base: str = "cpu") -> str:
         f"peak_tflops = {{ fp32 = {fp32 / 1e3:.6g}, bf16 = {bf16 / 1e3:.6g}, fp16 = {bf16 / 1e3:.6g} }}",
         "# a large copy, bytes read + written per second",
         f"memory_bandwidth_gbs = {m.copy_gbs:.4g}",
+    ]
+    lines += [
         f"memory_gib = {t.device.memory_bytes / 2**30:.4g}",
         "# per kernel of an Inductor-compiled chain of 16 x 16 matmuls (kernels that never fuse)",
         f"launch_overhead_us = {m.kernel_overhead_us:.3g}",
-        "# per call of a metainfer custom op from a compiled graph (rmsnorm on 16 elements)",
-        f"custom_op_overhead_us = {m.custom_op_overhead_us:.3g}",
+        "# per call of each metainfer custom op from a compiled graph, on tiny inputs (default: the",
+        "# pointwise ops' median); moe_experts_per_expert: each expert with tokens (a host loop on CPU)",
+        "custom_op_overhead_us = { " + ", ".join(
+            [f"default = {_default_overhead(m.custom_op_overhead_us):.3g}"]
+            + [f"{k} = {v:.3g}" for k, v in m.custom_op_overhead_us.items()]) + " }",
+    ]
+    if m.custom_op_slowdown:
+        lines += [
+            "# each custom op's work measured at a size where it dominates, over its roofline on these numbers",
+            "custom_op_slowdown = { " + ", ".join(f"{k} = {v:.3g}" for k, v in m.custom_op_slowdown.items()) + " }",
+        ]
+    lines += [
         "",
         "[topology]",
         f'interconnect = "{t.topology.interconnect}"',
@@ -241,7 +339,8 @@ def table(m: Measurements) -> str:
     rows = [f"matmul {k}: {v:.1f} GFLOP/s" for k, v in m.matmul_gflops.items()]
     rows.append(f"copy: {m.copy_gbs:.1f} GB/s (read + write)")
     rows.append(f"per-kernel overhead (compiled): {m.kernel_overhead_us:.2f} us")
-    rows.append(f"per custom-op call (compiled): {m.custom_op_overhead_us:.2f} us")
+    rows += [f"per call of metainfer::{k} (compiled): {v:.1f} us" for k, v in m.custom_op_overhead_us.items()]
+    rows += [f"metainfer::{k} work: {v:.2f}x its roofline" for k, v in m.custom_op_slowdown.items()]
     for k, v in m.collectives.items():
         rows.append(f"gloo {k} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
     return "\n".join(rows)

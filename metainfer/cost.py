@@ -307,6 +307,22 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
     return 0.0, None
 
 
+def custom_op_overhead(name: str, node: torch.fx.Node, target: Target) -> float | None:
+    """What a call of metainfer's op `name` costs beyond its work on `target` (calibrated: the
+    op's own figure, else the target's default); None where the target does not say. A
+    moe_experts call adds the per-expert cost for each expert that can receive tokens."""
+    dev = target.device
+    if dev.custom_op_overhead_s is None and not dev.custom_op_overheads:
+        return None
+    default = dev.custom_op_overhead_s if dev.custom_op_overhead_s is not None else dev.launch_overhead_s
+    seconds = dev.custom_op_overheads.get(name, default)
+    if name == "moe_experts" and "moe_experts_per_expert" in dev.custom_op_overheads:
+        ids, w_gate = _val(node.args[1]), _val(node.args[3])
+        experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
+        seconds += dev.custom_op_overheads["moe_experts_per_expert"] * experts
+    return seconds
+
+
 def op_name(node: torch.fx.Node) -> tuple[str, str]:
     """(namespace, op name) of a call_function node: ("aten", "mm"), ("metainfer", "attention")."""
     packet = getattr(node.target, "overloadpacket", None)
@@ -343,8 +359,12 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
             flops = sum(numel(t) for t in out)
         else:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
-    custom = target.device.custom_op_overhead_s if ns == "metainfer" else None
+    custom = custom_op_overhead(name, node, target) if ns == "metainfer" else None
     c = roofline(flops, moved, key, target, custom)
+    slowdown = target.device.custom_op_slowdown.get(name, 1.0) if ns == "metainfer" else 1.0
+    if slowdown != 1.0:  # calibrated: this op's work runs `slowdown` times its roofline here
+        overhead = c.seconds - max(flops / target.device.peak_flops[key], moved / target.device.memory_bandwidth)
+        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * slowdown + overhead, c.bound)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 

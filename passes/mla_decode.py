@@ -50,6 +50,7 @@ class MLADecode(Pass):
     """MLA attention over a decompressed latent cache -> absorbed form + metainfer::mla_decode"""
 
     name = "mla_decode"
+    cost_gated = True
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

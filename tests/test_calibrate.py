@@ -24,7 +24,10 @@ def _measured():
     return calibrate.Measurements(
         machine="test", when="2026-12-03", torch_threads=2,
         matmul_gflops={"fp32 large": 400.0, "fp32 decode": 120.0, "bf16 large": 2800.0}, copy_gbs=30.0,
-        kernel_overhead_us=1.1, custom_op_overhead_us=25.0,
+        kernel_overhead_us=1.1, custom_op_overhead_us={"rmsnorm": 25.0, "swiglu": 20.0, "rope": 30.0,
+                                                       "attention": 120.0, "moe_experts": 50.0,
+                                                       "moe_experts_per_expert": 40.0},
+        custom_op_slowdown={"rmsnorm": 3.0},
         collectives={"all_reduce 2": {"alpha_us": 120.0, "beta_gbs": 1.2, "points_us": {}},
                      "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}}})
 
@@ -37,7 +40,9 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     assert t.device.peak_flops["fp32"] == pytest.approx(400e9) and t.device.peak_flops["bf16"] == pytest.approx(2.8e12)
     assert t.device.memory_bandwidth == pytest.approx(30e9)
     assert t.device.launch_overhead_s == pytest.approx(1.1e-6)
-    assert t.device.custom_op_overhead_s == pytest.approx(25e-6)
+    assert t.device.custom_op_overhead_s == pytest.approx(25e-6)  # the pointwise ops' median
+    assert t.device.custom_op_overheads["attention"] == pytest.approx(120e-6)
+    assert t.device.custom_op_slowdown == {"rmsnorm": 3.0}
     # the two-rank all-reduce fit is the link (the four ranks share the two ranks' cores)
     assert t.topology.intra_island.bandwidth == pytest.approx(1.2e9)
     assert t.topology.intra_island.latency_s == pytest.approx(120e-6)
@@ -56,13 +61,15 @@ def test_custom_ops_pay_their_dispatch_overhead(tmp_path):
     after, _ = run_pass("fuse_rmsnorm", gm)
     (op,) = [n for n in after.graph.nodes if "metainfer.rmsnorm" in str(n.target)]
     c = cost.op_cost(op, t)
-    assert c.seconds == pytest.approx(max(c.flops / 400e9, c.bytes / 30e9) + 25e-6)
+    # its work measured at 3x its roofline, plus 25 us a call
+    assert c.seconds == pytest.approx(3 * max(c.flops / 400e9, c.bytes / 30e9) + 25e-6)
 
 
 def test_a_quick_calibration_of_this_machine():
     m = calibrate.measure([], quick=True, progress=lambda s: None)
     assert m.matmul_gflops["fp32 large"] > 1 and m.copy_gbs > 0.1
-    assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us  # Python dispatch costs more than a C++ call
+    assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us["rmsnorm"]  # Python dispatch costs more than a C++ call
+    assert m.custom_op_overhead_us["moe_experts_per_expert"] > 0  # its CPU path loops over the experts
     targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
 
 
@@ -98,3 +105,22 @@ def test_a_fusion_the_calibrated_model_finds_slower_is_declined():
         assert fused == bool(matches)
         if not matches:
             assert rec.decisions[0].startswith("declined 1 match(es): the cost model predicts the graph slower")
+
+
+def test_moe_experts_pays_for_each_expert_that_can_get_tokens(tmp_path):
+    """moe_experts on the calibrated target: 50 us a call plus 40 us for each of the
+    min(experts, token x top-k pairs) experts its host loop can visit (hand-computed)."""
+    import torch
+
+    from metainfer.testing import capture_graph
+
+    path = tmp_path / "t.toml"
+    path.write_text(calibrate.to_toml(_measured()))
+    t = targets.load(path)
+    E, T, K, H, I = 8, 2, 2, 16, 16
+    args = (torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K), torch.randn(E, I, H),
+            torch.randn(E, I, H), torch.randn(E, H, I))
+    gm, _ = capture_graph(lambda *a: torch.ops.metainfer.moe_experts(*a, None, None, None, 128, 128), *args)
+    (op,) = [n for n in gm.graph.nodes if "moe_experts" in str(n.target)]
+    c = cost.op_cost(op, t)
+    assert c.seconds == pytest.approx(max(c.flops / 400e9, c.bytes / 30e9) + 50e-6 + 40e-6 * min(E, T * K))

@@ -145,3 +145,27 @@ def test_a_multi_device_box_must_describe_its_topology(tmp_path):
     with pytest.raises(TargetError) as e:
         targets.load(_write(tmp_path, text))
     assert e.value.problems == ["field 'topology' is missing", "field 'collectives' is missing"]
+
+
+def test_custom_op_costs_in_a_target_file():
+    """custom_op_overhead_us as one number or per op (with a default), custom_op_slowdown per
+    op; bad values are named."""
+    import pytest
+
+    from metainfer import targets as T
+
+    base = dict(name="x", num_devices=1, device=dict(kind="cpu", name="c", peak_tflops=dict(fp32=1.0, bf16=1.0, fp16=1.0),
+                                                     memory_gib=1, memory_bandwidth_gbs=10, launch_overhead_us=1))
+    one = T.from_dict({**base, "device": {**base["device"], "custom_op_overhead_us": 30}})
+    assert one.device.custom_op_overhead_s == pytest.approx(30e-6) and not one.device.custom_op_overheads
+    per = T.from_dict({**base, "device": {**base["device"], "custom_op_overhead_us": {"default": 20, "attention": 90},
+                                          "custom_op_slowdown": {"rmsnorm": 2.5}}})
+    assert per.device.custom_op_overhead_s == pytest.approx(20e-6)
+    assert per.device.custom_op_overheads == {"attention": pytest.approx(90e-6)}
+    assert per.device.custom_op_slowdown == {"rmsnorm": 2.5}
+    assert T.from_dict(base).device.custom_op_overhead_s is None  # built-in targets: no custom-op cost
+
+    with pytest.raises(T.TargetError, match="custom_op_overhead_us.*bad: \\['rope'\\]"):
+        T.from_dict({**base, "device": {**base["device"], "custom_op_overhead_us": {"rope": -1}}})
+    with pytest.raises(T.TargetError, match="custom_op_slowdown' must map op names to factors >= 1"):
+        T.from_dict({**base, "device": {**base["device"], "custom_op_slowdown": {"rope": 0.5}}})

@@ -42,8 +42,11 @@ class DeviceSpec:
     launch_overhead_s: float
     arch: str = ""  # e.g. "sm_89"; selects kernel block sizes in lowering/
     # a call of one of metainfer's custom ops from a compiled graph (Python dispatch around
-    # the kernel); None: the same as any kernel's launch
+    # the kernel): the default, and per op name; None: the same as any kernel's launch
     custom_op_overhead_s: float | None = None
+    custom_op_overheads: Mapping[str, float] = field(default_factory=dict)
+    # measured work of each custom op over its roofline (its CPU path is eager torch, not a fused kernel)
+    custom_op_slowdown: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,8 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         memory_bandwidth=dev.positive("memory_bandwidth_gbs") * 1e9,
         launch_overhead_s=dev.non_negative("launch_overhead_us") * 1e-6,
         arch=dev.str("arch", default=""),
-        custom_op_overhead_s=(None if dev.get("custom_op_overhead_us") is None
-                              else dev.non_negative("custom_op_overhead_us") * 1e-6),
+        **_custom_op_overheads(dev, errors),
+        custom_op_slowdown=_slowdowns(dev, errors),
     )
     single = num_devices == 1
     topo = r.table("topology", optional=single)
@@ -199,6 +202,33 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
                   device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
                   collective_overrides={k: str(v) for k, v in overrides.items()})
+
+
+def _slowdowns(dev: "_Reader", errors: list[str]) -> dict:
+    raw = dev.get("custom_op_slowdown")
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1
+                                           for v in raw.values()):
+        errors.append(f"field 'device.custom_op_slowdown' must map op names to factors >= 1, got {raw!r}")
+        return {}
+    return {k: float(v) for k, v in raw.items()}
+
+
+def _custom_op_overheads(dev: "_Reader", errors: list[str]) -> dict:
+    """[device] custom_op_overhead_us: a number (every custom op), or a table of op name ->
+    microseconds with an optional `default`."""
+    raw = dev.get("custom_op_overhead_us")
+    if raw is None:
+        return {}
+    if isinstance(raw, Mapping):
+        bad = [k for k, v in raw.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0]
+        if bad:
+            errors.append(f"field 'device.custom_op_overhead_us' must map op names to microseconds >= 0; bad: {bad}")
+            return {}
+        per_op = {k: v * 1e-6 for k, v in raw.items() if k != "default"}
+        return {"custom_op_overhead_s": raw["default"] * 1e-6 if "default" in raw else None, "custom_op_overheads": per_op}
+    return {"custom_op_overhead_s": dev.non_negative("custom_op_overhead_us") * 1e-6}
 
 
 # On a CPU: torch runs TF32 math as plain fp32, and FP8 GEMMs as fp32 matmuls of the

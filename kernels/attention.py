@@ -50,8 +50,10 @@ def _attention_fwd(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # see `launch`
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # 64-bit offsets: a KV cache of batch x heads x tokens x head_dim passes 2^31 elements
+    # (64 x 8 x 32k x 128), and int32 address arithmetic would wrap
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
@@ -76,7 +78,7 @@ def _attention_fwd(
         # the last query row of this block sees keys up to (its index + offset)
         hi = tl.maximum(tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + causal_offset), 0)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = offs_n < seq_k
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)

@@ -312,7 +312,7 @@ def custom_op_overhead(name: str, node: torch.fx.Node, target: Target) -> float 
     op's own figure, else the target's default); None where the target does not say. A
     moe_experts call adds the per-expert cost for each expert that can receive tokens."""
     dev = target.device
-    if dev.custom_op_overhead_s is None and not dev.custom_op_overheads:
+    if not dev.knows_custom_op_costs:
         return None
     default = dev.custom_op_overhead_s if dev.custom_op_overhead_s is not None else dev.launch_overhead_s
     seconds = dev.custom_op_overheads.get(name, default)

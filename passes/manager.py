@@ -230,7 +230,7 @@ class PassManager(CustomGraphPass):
         `metainfer calibrate` measures): without it the model cannot weigh a custom op against
         the kernels the lowering would generate. Option `cost_gates=False` turns the gate off."""
         if (not p.cost_gated or schedule is None or not self.options.get("cost_gates", True)
-                or (self.target.device.custom_op_overhead_s is None and not self.target.device.custom_op_overheads)):
+                or not self.target.device.knows_custom_op_costs):
             return None
         from .lookahead import copy_graph
 

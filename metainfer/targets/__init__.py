@@ -48,6 +48,11 @@ class DeviceSpec:
     # measured work of each custom op over its roofline (its CPU path is eager torch, not a fused kernel)
     custom_op_slowdown: Mapping[str, float] = field(default_factory=dict)
 
+    @property
+    def knows_custom_op_costs(self) -> bool:
+        """Whether the target says what a custom-op call costs (a calibrated one does)."""
+        return self.custom_op_overhead_s is not None or bool(self.custom_op_overheads)
+
 
 @dataclass(frozen=True)
 class LinkSpec:

@@ -7,13 +7,16 @@ the same job, then the cost model's constants measured; one table.
                                             # through Triton's interpreter (tests the script)
 
 Checks (bf16 unless said; shapes of a Llama-3-8B / DeepSeek-V3 layer at batch sizes serving uses):
-attention prefill (causal, 1 x 32/8 heads x 4096, d128) and decode (64 x 1 query over 4096 keys)
-against SDPA (flash); paged attention (a prefill chunk batch and a 64-request decode step over a
-paged pool) against SDPA on the gathered keys; rmsnorm, swiglu, rope against their eager torch
-forms; fp8_gemm W8A16 at decode (M=16) and prefill (M=4096) shapes against dequantise + cuBLAS
-matmul (and torch._scaled_mm where the GPU has FP8); moe (256 experts, top 8, 2048 tokens)
-against the eager loop over experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64)
-against their references. Then GEMM TFLOP/s, memory bandwidth and launch overhead
+attention prefill (causal, 1 x 32/8 heads x 4096, d128), decode (64 x 1 query over 4096 keys) and
+batch-1 decode over 16384 keys (keys split over programs, flash-decoding) against SDPA (flash);
+paged attention (a prefill chunk batch and a 64-request decode step over a paged pool) against
+SDPA on the gathered keys; rmsnorm, swiglu, rope against their eager torch forms; fp8_gemm W8A16
+at decode (M=16; M=4 over a 2048 x 7168 weight, split-K) and prefill (M=4096) shapes against
+dequantise + cuBLAS matmul; moe (256 experts, top 8, 2048 tokens) against the eager loop over
+experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and batch 1 over
+8192 cached tokens with the cache split) against their references. The first call of a shape
+runs triton.autotune over the config row's candidates, untimed (`run` calls each kernel once
+before timing it). Then GEMM TFLOP/s, memory bandwidth and launch overhead
 (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
 project's pins; under 8 minutes on an H100-class GPU is the budget (timings use
 triton.testing.do_bench).
@@ -68,11 +71,11 @@ def _n(x: float, f: float, lo: int = 1) -> int:
     return max(lo, int(round(x * f)))
 
 
-def _attention(decode: bool):
+def _attention(decode: bool, batch: int = 64, keys: int = 4096):
     def build(dev, f):
         dt = torch.bfloat16
-        B, H, Hkv, D = (_n(64, f), 32, 8, 128) if decode else (1, 32, 8, 128)
-        Sq, Sk = (1, _n(4096, f, 16)) if decode else (_n(4096, f, 16), _n(4096, f, 16))
+        B, H, Hkv, D = (_n(batch, f), 32, 8, 128) if decode else (1, 32, 8, 128)
+        Sq, Sk = (1, _n(keys, f, 16)) if decode else (_n(4096, f, 16), _n(4096, f, 16))
         q = torch.randn(B, H, Sq, D, device=dev, dtype=dt)
         k, v = (torch.randn(B, Hkv, Sk, D, device=dev, dtype=dt) for _ in range(2))
         causal = not decode
@@ -158,10 +161,10 @@ def _rope(dev, f):
             "torch": eager, "dtype": dt}
 
 
-def _fp8_gemm(m: int):
+def _fp8_gemm(m: int, n: int = 7168, k: int = 7168):
     def build(dev, f):
         dt = torch.bfloat16
-        M, N, Kd = _n(m, f), _n(7168, f, 128) // 128 * 128, _n(7168, f, 128) // 128 * 128
+        M, N, Kd = _n(m, f), _n(n, f, 128) // 128 * 128, _n(k, f, 128) // 128 * 128
         x = torch.randn(M, Kd, device=dev, dtype=dt)
         w = (torch.randn(N, Kd, device=dev) / 8).to(torch.float8_e4m3fn)
         s = torch.rand(N // 128, Kd // 128, device=dev) + 0.5
@@ -207,9 +210,13 @@ def _sparse(dev, f):
             "torch": lambda: K.sparse_attention.reference(*args), "dtype": dt}
 
 
-def _mla(dev, f):
+def _mla(batch: int, cache: int):
+    return lambda dev, f: _mla_build(dev, f, batch, cache)
+
+
+def _mla_build(dev, f, batch, cache):
     dt = torch.bfloat16
-    B, H, T = _n(64, f), 16, _n(4096, f, 16)
+    B, H, T = _n(batch, f), 16, _n(cache, f, 16)
     ql, qp = torch.randn(B, H, 1, 512, device=dev, dtype=dt), torch.randn(B, H, 1, 64, device=dev, dtype=dt)
     ckv, kpe = torch.randn(B, T, 512, device=dev, dtype=dt), torch.randn(B, T, 64, device=dev, dtype=dt)
     cfg = config_for("mla_decode", ql.device)
@@ -229,16 +236,19 @@ def _token_ids(dev, f):
 CHECKS = [
     Check("attention", "prefill causal 1x32/8x4096 d128", _attention(False)),
     Check("attention", "decode 64x1 over 4096 keys", _attention(True)),
+    Check("attention", "decode 1x1 over 16384 keys, split", _attention(True, batch=1, keys=16384)),
     Check("paged_attention", "prefill chunks 8x512 after 2048", _paged(False)),
     Check("paged_attention", "decode 64 requests over 2048", _paged(True)),
     Check("rmsnorm", "4096 x 4096", _rmsnorm),
     Check("swiglu", "4096 x 14336", _swiglu),
     Check("rope", "1x32x4096 d128", _rope),
     Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16)),
+    Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),
     Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
     Check("moe", "256 experts top-8, 2048 tokens", _moe),
     Check("sparse_attention", "top-2048 of 8192, 64 heads", _sparse),
-    Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla),
+    Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096)),
+    Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192)),
     Check("token_ids", "64 x 4096 ids", _token_ids),
 ]
 

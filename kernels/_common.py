@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,3 +61,73 @@ def gpu_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
+
+
+def split_count(config: dict, programs: int, length: int, align: int) -> tuple[int, int]:
+    """(splits, length per split) for cutting a long axis (attention's keys, a GEMM's K) of a
+    launch of `programs` programs over several programs each.
+
+    Decode launches few programs (batch x heads, N / BLOCK_N tiles) over long axes: with fewer
+    programs than the GPU has SMs (the config's SM_COUNT) the axis is cut into splits of at
+    least SPLIT_MIN elements, enough to give every SM a program, at most MAX_SPLITS. `SPLITS`
+    in the config forces a count (tests). The length per split is a multiple of `align` (the
+    launch's block along the axis), so splits start on block boundaries."""
+    length = max(length, 1)
+    forced = config.get("SPLITS")
+    if forced is not None:
+        splits = max(1, int(forced))
+    elif programs >= config.get("SM_COUNT", 0):
+        splits = 1
+    else:
+        splits = min(config.get("MAX_SPLITS", 16), length // config.get("SPLIT_MIN", 256),
+                     triton.cdiv(config["SM_COUNT"], programs))
+    splits = max(1, min(splits, triton.cdiv(length, align)))
+    per_split = triton.cdiv(triton.cdiv(length, splits), align) * align
+    return triton.cdiv(length, per_split), per_split
+
+
+# ---- triton.autotune, on a CUDA GPU only ---------------------------------------------------------
+
+# The keys of a config row that triton.autotune may choose (the rest are the launcher's own).
+TUNED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+# How the tuner times a candidate; None is Triton's own benchmarker (do_bench on the GPU). Tests
+# put a stub here to run the tuned launch path under the interpreter.
+AUTOTUNE_BENCH = None
+
+_tuners: dict = {}
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    """Whether a launcher lets triton.autotune pick among its config's candidates: on a CUDA GPU
+    only. Under the interpreter (CI) and while lowering/aot.py records launches the row's one
+    fixed config runs, so tests and compiled code stay fast and deterministic."""
+    return device.type == "cuda" and AOT_CAPABILITY is None and not interpreted()
+
+
+def tune_candidates(config: dict, clamp) -> list[dict]:
+    """The row's own config first, then its AUTOTUNE alternatives, each passed through
+    `clamp(candidate) -> candidate` (the launcher's limits for this shape), duplicates dropped."""
+    out: list[dict] = []
+    for alt in ({}, *config.get("AUTOTUNE", ())):
+        cand = clamp({k: alt.get(k, config.get(k)) for k in TUNED_KEYS if k in alt or k in config})
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def autotuned(kernel, candidates: list[dict], key: tuple[str, ...], bucket):
+    """`kernel` wrapped in triton.autotune over `candidates`, one tuner per shape `bucket`: it times
+    them on its first call for each value of the `key` arguments (constexprs such as head dims;
+    tensor dtypes are added by Triton) and reuses the fastest. A bucket is coarse (e.g. powers of
+    two of the sequence length), so a growing decode context is not re-tuned every step."""
+    frozen = tuple(tuple(sorted(c.items())) for c in candidates)
+    memo = (kernel, frozen, tuple(key), bucket, AUTOTUNE_BENCH)
+    tuner = _tuners.get(memo)
+    if tuner is None:
+        configs = [triton.Config({k: v for k, v in c.items() if k.startswith("BLOCK_")},
+                                 num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
+                   for c in candidates]
+        bench = {} if AUTOTUNE_BENCH is None else {"do_bench": AUTOTUNE_BENCH}
+        tuner = _tuners[memo] = triton.autotune(configs=configs, key=list(key), **bench)(kernel)
+    return tuner

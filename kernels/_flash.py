@@ -1,11 +1,15 @@
 """Triton building blocks shared by the kernels: a dot that works around the interpreter,
-and the online-softmax step of the flash-attention kernels (attention, sparse_attention,
-mla_decode)."""
+the online-softmax step of the flash-attention kernels (attention, sparse_attention,
+mla_decode, paged_attention), and the merge of a decode step's key splits (flash-decoding:
+several programs share one row's keys, each keeping its own online-softmax state)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ._common import next_pow2
 
 
 @triton.jit
@@ -37,3 +41,58 @@ def normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS: tl.constexpr):
     if ZERO_EMPTY_ROWS:
         l_div = tl.where(l_div == 0.0, 1.0, l_div)
     return acc / l_div[:, None]
+
+
+# ---- key splits (flash-decoding) -----------------------------------------------------------------
+
+def split_workspace(splits: int, rows: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for `splits` partial results of `rows` output rows: (accumulators
+    (splits, rows, dim), row max and sum of exp (splits, rows, 2)). Every program writes its
+    part, empty splits included, so nothing needs zeroing."""
+    return (torch.empty((splits, rows, dim), dtype=torch.float32, device=device),
+            torch.empty((splits, rows, 2), dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _combine_splits(
+    ACC, ML, O, rows, dim, splits, stride_o,
+    ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """O[r] = sum_s e^(m_s - m) acc_s[r] / sum_s e^(m_s - m) l_s[r]: the splits' online-softmax
+    states merged exactly, as softmax_step merges key blocks."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = r < rows
+    d = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d[None, :] < dim)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    at = r  # row r of split s is at s * rows + r; stepped, so the index stays 64-bit
+    for _ in range(0, splits):
+        m_s = tl.load(ML + at * 2, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ML + at * 2 + 1, mask=row_ok, other=0.0)
+        a_s = tl.load(ACC + at[:, None] * dim + d[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        # a split that kept no key (m_s = -inf) weighs 0; so do rows with none kept yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_i = tl.exp(m_i - m_safe)
+        w_s = tl.exp(m_s - m_safe)
+        acc = acc * w_i[:, None] + a_s * w_s[:, None]
+        l_i = l_i * w_i + l_s * w_s
+        m_i = m_new
+        at += rows
+    out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
+    tl.store(O + r[:, None] * stride_o + d[None, :], out.to(O.dtype.element_ty), mask=ok)
+
+
+def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, zero_empty_rows: bool) -> None:
+    """Write into `out` (rows, dim), unit stride in dim, the merge of the partial results in
+    `split_workspace`'s buffers: one small launch. A row no split kept a key for gives NaN, or 0
+    with `zero_empty_rows`, as the unsplit kernels do."""
+    splits, rows, dim = ws_acc.shape
+    block_d = next_pow2(dim)
+    block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
+    _combine_splits[(triton.cdiv(rows, block_r),)](
+        ws_acc, ws_ml, out, rows, dim, splits, out.stride(0),
+        ZERO_EMPTY_ROWS=bool(zero_empty_rows), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )

@@ -11,7 +11,13 @@ D and Dv may differ (MLA), both up to 256. The output is (B, Hq, Sq, Dv), contig
 q's dtype; accumulation is float32.
 
 Three implementations of the same function:
-- `_attention_fwd`: the Triton kernel (online softmax, the Sq x Sk matrix never exists);
+- `_attention_fwd`: the Triton kernel (online softmax, the Sq x Sk matrix never exists). One
+  program per (block of query rows, batch x head); key blocks above the causal diagonal are
+  never visited. A decode step (one query block) with fewer batch x head programs than the GPU
+  has SMs splits the keys over several programs (flash-decoding, grid axis 2): each writes its
+  unnormalised accumulator, row max and sum of exp, and `_flash.combine_splits` merges them
+  exactly. The split count comes from the config (`_common.split_count`). On a CUDA GPU
+  triton.autotune picks among the config row's AUTOTUNE alternatives per shape bucket;
 - `cpu_forward`: the CPU path, torch's fused SDPA kernel where it applies, else a
   query-chunked exact softmax whose memory is O(chunk x Sk);
 - `reference`: plain math, materialising everything, for tests.
@@ -25,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, normalise, softmax_step
-from ._common import FLOAT_DTYPES, check, check_float, interpreted, next_pow2
+from . import _common
+from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
+from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, interpreted, next_pow2, split_count,
+                      tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -34,17 +42,18 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _attention_fwd(
-    Q, K, V, M, O,
+    Q, K, V, M, O, WS_ACC, WS_ML,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     num_heads, group, seq_q, seq_k, head_d, head_dv,
-    scale, causal_offset,
+    scale, causal_offset, split_keys,
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -54,6 +63,7 @@ def _attention_fwd(
     # (64 x 8 x 32k x 128), and int32 address arithmetic would wrap
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
@@ -77,9 +87,12 @@ def _attention_fwd(
     if CAUSAL:
         # the last query row of this block sees keys up to (its index + offset)
         hi = tl.maximum(tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + causal_offset), 0)
-    for start_n in range(0, hi, BLOCK_N):
+    # this program's share of the keys (all of them with one split)
+    lo = split * split_keys
+    hi = tl.minimum(hi, lo + split_keys)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        col_ok = offs_n < seq_k
+        col_ok = offs_n < hi
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
         s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
@@ -102,10 +115,18 @@ def _attention_fwd(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
-
+    if SPLIT:
+        # partial results in the output's row order (b, h, query), merged by combine_splits;
+        # a split past the causal limit still writes its empty state (m -inf, l 0)
+        at = (split.to(tl.int64) * tl.num_programs(1) + pid_bh) * seq_q + offs_m
+        tl.store(WS_ACC + at[:, None] * head_dv + offs_dv[None, :], acc,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
+        tl.store(WS_ML + at * 2, m_i, mask=row_ok)
+        tl.store(WS_ML + at * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
+        tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
 
 
 def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
@@ -143,9 +164,18 @@ def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=Fa
     check(isinstance(zero_empty_rows, bool), NAME, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
 
 
+# triton.autotune's shape buckets (CUDA only): query and key counts by powers of two, capped,
+# so a decode context growing token by token is tuned once per doubling, not per step
+_TUNE_KEY = ("BLOCK_D", "BLOCK_DV", "MASK_KIND", "CAUSAL", "SPLIT")
+_MAX_Q_BUCKET, _MAX_K_BUCKET = 256, 16384
+
+
 def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False, *,
            config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
+    num_warps, num_stages; the key split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to
+    force a count, see _common.split_count); and AUTOTUNE, alternatives that triton.autotune times
+    against the row's own config on a CUDA GPU (elsewhere the row's config runs)."""
     check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -158,22 +188,48 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
         mask_kind = 2 if mask.dtype == torch.bool else 1
         m = mask.expand(B, Hq, Sq, Sk)  # stride 0 on broadcast dims, no copy
         mstrides = m.stride()
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(Sq, block_m), B * Hq)
-    _attention_fwd[grid](
-        q, k, v, m, out,
-        *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
-        Hq, Hq // Hkv, Sq, Sk, D, Dv,
-        float(scale), int(causal_offset),
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
-        BLOCK_M=block_m, BLOCK_N=block_n,
+
+    # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
+    rows_cap = max(16, next_pow2(Sq))
+
+    def clamp(c: dict) -> dict:
+        return {**c, "BLOCK_M": min(c["BLOCK_M"], rows_cap)}
+
+    fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
+    block_m, block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
+    q_blocks = triton.cdiv(Sq, block_m)
+    # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
+    splits, split_keys = 1, max(Sk, 1)
+    if q_blocks == 1 or "SPLITS" in config:
+        splits, split_keys = split_count(config, q_blocks * B * Hq, Sk, block_n)
+    if splits > 1:
+        ws_acc, ws_ml = split_workspace(splits, B * Hq * Sq, Dv, q.device)
+    else:
+        ws_acc = ws_ml = out  # not written
+    args = (q, k, v, m, out, ws_acc, ws_ml,
+            *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
+            Hq, Hq // Hkv, Sq, Sk, D, Dv,
+            float(scale), int(causal_offset), split_keys)
+    meta = dict(
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
         # bits; under the interpreter they are upcast first (the GPU path is unaffected).
         DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
+    candidates = tune_candidates(config, clamp) if _common.autotune_enabled(q.device) else []
+    if len(candidates) > 1:
+        bucket = (min(next_pow2(Sq), _MAX_Q_BUCKET), min(next_pow2(Sk), _MAX_K_BUCKET))
+        tuned = autotuned(_attention_fwd, candidates, _TUNE_KEY, bucket)
+        tuned[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq, splits)](*args, **meta)
+    else:
+        _attention_fwd[(q_blocks, B * Hq, splits)](
+            *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2),
+        )
+    if splits > 1:
+        combine_splits(ws_acc, ws_ml, out.view(B * Hq * Sq, Dv), zero_empty_rows)
     return out
 
 

@@ -17,6 +17,11 @@ Two modes:
   amax/448, 0 -> 1); per K tile the kernel computes dot(x_fp8, w_fp8) in float32 (a real
   FP8 tensor-core dot on sm_89+; an exact fp16 dot elsewhere) times x_scale[row, g] *
   scale_inv[n // block_n, g].
+Decode shapes (a few rows of x): the config's SMALL_M rows give small BLOCK_M tiles, and when
+the output tiles are fewer than the GPU's SMs the K axis is split over programs (split-K), each
+writing float32 partial sums that a second small kernel (`_sum_splits`) adds, with the bias, and
+rounds once: no atomics, so the result is deterministic and autotuning may rerun the kernel.
+On a CUDA GPU triton.autotune picks among the row's AUTOTUNE alternatives per M bucket.
 On GPUs without e4m3 support in Triton (before sm_89, ROCm) the kernel is handed the bytes
 and decodes e4m3 itself (exactly), then takes the fp16 / x.dtype dot. Under Triton 3.9's
 interpreter fp8 loads, casts and fp8 x fp8 dots are exact, so it runs the sm_89+ path; only
@@ -57,20 +62,41 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import as_rows, check, check_float, gpu_capability, interpreted
+from . import _common
+from ._common import (TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
+                      split_count, tune_candidates)
 
 NAME = "fp8_gemm"
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-# Two suggested config rows; BLOCK_N / BLOCK_K are clamped to block_n / block_k at launch.
+# Two config rows (lowering/kernel_configs.py adds SM_COUNT); BLOCK_N / BLOCK_K are clamped to
+# block_n / block_k at launch, BLOCK_M to M rounded up to a power of two (at least 16).
+# SMALL_M: decode-sized M, the first row with M <= MAX_M replaces the blocks (and AUTOTUNE).
+# Split-K (M <= SPLIT_MAX_M and fewer output tiles than SM_COUNT): K cut into splits of at
+# least SPLIT_MIN, at most MAX_SPLITS, each program writing float32 partial sums that
+# _sum_splits adds in a second launch (no atomics: deterministic, and safe to autotune).
 DEFAULT_CONFIGS = {
     # small tiles: the interpreter then reaches partial tiles and several scale blocks cheaply
-    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1),
+    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1,
+                        SMALL_M=(dict(MAX_M=16, BLOCK_N=16, BLOCK_K=64),),
+                        SPLIT_MAX_M=16, SPLIT_MIN=64, MAX_SPLITS=4, SUM_BLOCK=128),
     # 3 stages of a 64x64 bf16 x tile + a 64x128 fp8 w tile is 48 KiB of shared memory,
-    # within Ada's 99 KiB as well as Hopper's 227 KiB
-    "cuda": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    # within Ada's 99 KiB as well as Hopper's 227 KiB. Decode rows: a GEMV-like launch is
+    # bound by reading w, so narrow N tiles (more programs) and deep K tiles and pipelines.
+    # The alternatives are compiled for sm_80/89/90 by `python -m metainfer.lowering.aot
+    # --autotune`; none timed on a GPU yet.
+    "cuda": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3,
+                 AUTOTUNE=(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                           dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+                 SMALL_M=(dict(MAX_M=16, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
+                               AUTOTUNE=(dict(BLOCK_N=128, num_stages=3), dict(BLOCK_N=32, num_warps=2, num_stages=5))),
+                          dict(MAX_M=32, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
+                               AUTOTUNE=(dict(BLOCK_N=128, num_stages=3), dict(BLOCK_K=64, num_stages=5))),
+                          dict(MAX_M=64, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                               AUTOTUNE=(dict(BLOCK_N=128, num_warps=8), dict(BLOCK_K=64, num_stages=4)))),
+                 SPLIT_MAX_M=64, SPLIT_MIN=512, MAX_SPLITS=8, SUM_BLOCK=1024),
 }
 
 
@@ -89,12 +115,13 @@ def _e4m3_bits_to_f32(b):
 
 @triton.jit
 def _fp8_gemm_fwd(
-    X, XS, W, WS, BIAS, Y,
-    M, N, K, block_n, block_k,
+    X, XS, W, WS, BIAS, Y, PARTIAL,
+    M, N, K, block_n, block_k, k_per_split,
     stride_xm, stride_xsm, stride_xsg,
     stride_wn, stride_wk, stride_wsn, stride_wsk,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # K split over grid axis 2: float32 partial sums to PARTIAL (S, M, N)
     ACT_QUANT: tl.constexpr,
     FP8_NATIVE: tl.constexpr,  # W (and X in W8A8) hold float8_e4m3fn, else their uint8 bits
     FP8_DOT: tl.constexpr,  # W8A8: dot the fp8 tiles directly, else as (exact) fp16
@@ -103,6 +130,7 @@ def _fp8_gemm_fwd(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -117,13 +145,18 @@ def _fp8_gemm_fwd(
     ws_row = WS + ((pid_n * BLOCK_N) // block_n).to(tl.int64) * stride_wsn
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # this program's share of K (all of it without split-K); k_per_split is a multiple of
+    # block_k, so every tile still lies in one scale group
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        k_ok = ks < K
+        k_ok = ks < k_hi
         # BLOCK_K divides block_k: the tile lies in one scale group
         g = k0 // block_k
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        # 64-bit: a K-major weight (stride_wk = N) of a 256k-vocab head passes 2^31 elements
+        b = tl.load(w_cols + ks.to(tl.int64)[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         w_scale = tl.load(ws_row + g * stride_wsk)
         if ACT_QUANT:
             if FP8_DOT:
@@ -144,10 +177,30 @@ def _fp8_gemm_fwd(
             else:
                 d = tl.dot(a, b)
             acc += d * w_scale
+    if SPLIT_K:
+        part = PARTIAL + (pid_k * M + rows64)[:, None] * N + cols64[None, :]
+        tl.store(part, acc, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits(PARTIAL, BIAS, Y, N, numel, splits, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = sum over splits of PARTIAL (splits, M, N) (+ bias), in float32, rounded once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    at = offs  # element e of split s is at s * numel + e; stepped, so the index stays 64-bit
+    for _ in range(0, splits):
+        acc += tl.load(PARTIAL + at, mask=ok, other=0.0)
+        at += numel
+    col = offs % N
     if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows64[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(BIAS + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + (offs // N) * stride_ym + col, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 
@@ -188,16 +241,27 @@ def check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant) -> None:
     check(isinstance(act_quant, bool), NAME, f"act_quant must be a bool, got {act_quant!r}")
 
 
-def _tiles(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> tuple[int, int, int]:
-    """BLOCK_M/N/K from `config`, clamped so each tile uses one scale and is no larger than needed."""
+def _row_for_m(config: dict, M: int) -> tuple[dict, int]:
+    """(the config for M rows, its autotune bucket): the first SMALL_M row with M <= MAX_M over
+    the base row (its own AUTOTUNE alternatives replacing the base row's), bucket MAX_M; else
+    the base row, bucket M rounded up to a power of two (capped)."""
+    for small in config.get("SMALL_M", ()):
+        if M <= small["MAX_M"]:
+            base = {k: v for k, v in config.items() if k not in ("AUTOTUNE", "SMALL_M")}
+            return {**base, **{k: v for k, v in small.items() if k != "MAX_M"}}, small["MAX_M"]
+    return config, min(next_pow2(M), _MAX_M_BUCKET)
+
+
+def _clamp(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> dict:
+    """BLOCK_M/N/K of `config`, clamped so each tile uses one scale and is no larger than needed."""
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         check(_is_block(config.get(key)), NAME,
               f"config[{key!r}] must be a power of two >= 16 (tl.dot's minimum), got {config.get(key)!r}")
-    small = lambda n: max(16, 1 << max(0, (n - 1).bit_length()))  # noqa: E731
+    small = lambda n: max(16, next_pow2(n))  # noqa: E731
     # all powers of two, so min() of them divides block_n / block_k
-    return (min(config["BLOCK_M"], small(M)),
-            min(config["BLOCK_N"], block_n, small(N)),
-            min(config["BLOCK_K"], block_k, small(K)))
+    return {**config, "BLOCK_M": min(config["BLOCK_M"], small(M)),
+            "BLOCK_N": min(config["BLOCK_N"], block_n, small(N)),
+            "BLOCK_K": min(config["BLOCK_K"], block_k, small(K))}
 
 
 def _plan(device: torch.device) -> dict:
@@ -212,8 +276,16 @@ def _plan(device: torch.device) -> dict:
     return dict(FP8_NATIVE=native, FP8_DOT=native)
 
 
+# triton.autotune (CUDA only) re-times per weight shape and these flags, once per M bucket
+_TUNE_KEY = ("N", "K", "HAS_BIAS", "ACT_QUANT", "FP8_DOT", "SPLIT_K")
+_MAX_M_BUCKET = 4096
+
+
 def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
+    BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,
+    SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
+    alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
     check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant)
     x2 = as_rows(NAME, "x", x)
     M, K = x2.shape
@@ -222,7 +294,13 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     if out.numel() == 0:
         return out
     y2 = out.view(M, N)
-    bm, bn, bk = _tiles(config, M, N, K, block_n, block_k)
+    row, bucket = _row_for_m(config, M)
+
+    def clamp(c: dict) -> dict:
+        return _clamp(c, M, N, K, block_n, block_k)
+
+    fixed = clamp({key: row[key] for key in TUNED_KEYS if key in row})
+    bm, bn, bk = fixed["BLOCK_M"], fixed["BLOCK_N"], fixed["BLOCK_K"]
     plan = _plan(x.device)
     if act_quant:
         a, xs = quantize_activations(x2, block_k)
@@ -235,21 +313,38 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
         wk = w.view(torch.uint8)
         if act_quant:
             a = a.view(torch.uint8)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _fp8_gemm_fwd[grid](
-        a, xs, wk, scale_inv, bias if bias is not None else y2, y2,
-        M, N, K, block_n, block_k,
-        a.stride(0), *xs_strides,
-        *w.stride(), *scale_inv.stride(),
-        y2.stride(0),
-        HAS_BIAS=bias is not None, ACT_QUANT=bool(act_quant),
+    # split-K for decode: few rows and few N tiles leave most SMs idle; splits start on
+    # scale-group boundaries (block_k), a multiple of every candidate's BLOCK_K
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    splits, k_per_split = 1, K
+    if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
+        splits, k_per_split = split_count(row, tiles, K, block_k)
+    partial = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y2
+    args = (a, xs, wk, scale_inv, bias if bias is not None else y2, y2, partial,
+            M, N, K, block_n, block_k, k_per_split,
+            a.stride(0), *xs_strides, *w.stride(), *scale_inv.stride(), y2.stride(0))
+    meta = dict(
+        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, ACT_QUANT=bool(act_quant),
         FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=plan["FP8_DOT"],
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
         # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
         UPCAST=x.dtype == torch.float32 or (interpreted() and x.dtype == torch.bfloat16),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
     )
+    candidates = tune_candidates(row, clamp) if _common.autotune_enabled(x.device) else []
+    if len(candidates) > 1:
+        tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
+        tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **meta)
+    else:
+        _fp8_gemm_fwd[(triton.cdiv(M, bm), triton.cdiv(N, bn), splits)](
+            *args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 3),
+        )
+    if splits > 1:
+        block = row.get("SUM_BLOCK", 1024)
+        _sum_splits[(triton.cdiv(M * N, block),)](
+            partial, bias if bias is not None else y2, y2, N, M * N, splits, y2.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )
     return out
 
 

@@ -26,9 +26,12 @@ P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation 
   across programs would re-read all of ckv per split; DeepSeek's R=512 fits whole with
   BLOCK_H=16, BLOCK_N=32, 8 warps, 1 stage (at most 8 B of register spills on sm_90). Larger
   R (up to 1024) wants BLOCK_N=16 (~100 B of spills there).
-  One program walks the whole cache for its row: with few (batch x query x head-block)
-  programs (batch-1 decode) the GPU is under-filled; a split-T (flash-decoding) variant with a
-  combine step is the follow-up for that case.
+  With few (query x batch x head-block) programs (batch-1 decode: one) the cache, or the row's
+  TOPK index slots, is split over several programs (flash-decoding, grid axis 2): each writes its
+  unnormalised accumulator, row max and sum of exp to a float32 workspace, and
+  `_flash.combine_splits` merges them exactly. How many splits: `_common.split_count` from the
+  config (lowering/kernel_configs.py: below SM_COUNT programs, >= SPLIT_MIN keys each).
+  Causal: a program's keys stop at its row's limit, so splits past it write an empty state.
 - `cpu_forward`: torch, chunked over queries (dense: O(chunk x T) scores; sparse: gathers the
   selected ckv/kpe rows, O(chunk x TOPK x R)).
 - `reference`: dense float32 math (index set scattered into a keep-mask), for tests.
@@ -42,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, normalise, softmax_step
-from ._common import check, check_float, interpreted, next_pow2
+from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
+from ._common import check, check_float, interpreted, next_pow2, split_count
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -53,17 +56,21 @@ MAX_ROPE_DIM = 128
 # Suggested launch rows (the lead wires them into lowering/kernel_configs.py).
 # BLOCK_H: heads per program (power of two >= 16; the tile is min(BLOCK_H, max(16, next_pow2(H)))
 # rows); BLOCK_N: cache positions (or selected indices) per step (>= 16).
+# SPLIT_MIN / MAX_SPLITS: the decode key split (see launch), with SM_COUNT from
+# lowering/kernel_configs.py.
 DEFAULT_CONFIGS = {
-    "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16},
+    "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16, "SPLIT_MIN": 16, "MAX_SPLITS": 4},
     # R=512, P=64, bf16, sm_90: compiled ahead of time with Triton 3.9 (no run): 255 registers,
     # 0-8 B spilled; 2 stages spilled ~30 B, BLOCK_H=64 ~600 B. Not timed on a GPU yet.
-    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+    # Splits of >= 256 keys: 8 blocks of 32 per program amortise the combine's extra pass.
+    "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "SPLIT_MIN": 256,
+             "MAX_SPLITS": 16},
 }
 
 
 @triton.jit
 def _mla_fwd(
-    QL, QP, CKV, KPE, IDX, M, O,
+    QL, QP, CKV, KPE, IDX, M, O, WS_ACC, WS_ML,
     stride_qlb, stride_qlh, stride_qlm, stride_qlr,
     stride_qpb, stride_qph, stride_qpm, stride_qpp,
     stride_cb, stride_cn, stride_cr,
@@ -72,11 +79,12 @@ def _mla_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_or,
     num_heads, head_blocks, seq_kv, topk, dim_r, dim_p,
-    scale, causal_offset,
+    scale, causal_offset, split_keys,
     HAS_INDICES: tl.constexpr,
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -86,6 +94,7 @@ def _mla_fwd(
     # mask row) can pass 2**31 elements
     i = tl.program_id(0).to(tl.int64)  # query row
     pid = tl.program_id(1)
+    split = tl.program_id(2)
     hb = pid % head_blocks
     b = (pid // head_blocks).to(tl.int64)
 
@@ -115,15 +124,18 @@ def _mla_fwd(
         if CAUSAL:
             # this program serves one query row: keys past i + offset are never visited
             hi = tl.maximum(tl.minimum(seq_kv, i + causal_offset + 1), 0)
-    for start in range(0, hi, BLOCK_N):
+    # this program's share of the keys, or of the index slots (all of them with one split)
+    lo = split * split_keys
+    hi = tl.minimum(hi, lo + split_keys)
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if HAS_INDICES:
             cols = tl.load(IDX + b * stride_ib + i * stride_im + offs_n * stride_it,
-                           mask=offs_n < topk, other=-1).to(tl.int64)
+                           mask=offs_n < hi, other=-1).to(tl.int64)
             col_ok = (cols >= 0) & (cols < seq_kv)
         else:
             cols = offs_n.to(tl.int64)
-            col_ok = cols < seq_kv
+            col_ok = cols < hi
         if CAUSAL:
             col_ok = col_ok & (cols <= i + causal_offset)
         cols = tl.where(col_ok, cols, 0)
@@ -148,9 +160,18 @@ def _mla_fwd(
         acc = acc * alpha[:, None] + dot(p.to(c.dtype), c, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
-    tl.store(O + b * stride_ob + i * stride_om + heads[:, None] * stride_oh + offs_r[None, :] * stride_or,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+    if SPLIT:
+        # partial results in the output's row order (b, head, query), merged by combine_splits
+        batch = tl.num_programs(1) // head_blocks
+        seq_q = tl.num_programs(0)
+        at = ((split * batch + b) * num_heads + heads) * seq_q + i
+        tl.store(WS_ACC + at[:, None] * dim_r + offs_r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
+        tl.store(WS_ML + at * 2, m_i, mask=row_ok)
+        tl.store(WS_ML + at * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS)
+        tl.store(O + b * stride_ob + i * stride_om + heads[:, None] * stride_oh + offs_r[None, :] * stride_or,
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
 
@@ -196,7 +217,8 @@ def _block(config: dict, key: str) -> int:
 
 def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
            zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages."""
+    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages, and the key
+    split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count; _common.split_count)."""
     check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     B, H, Sq, R = q_latent.shape
     P, T = q_pe.shape[3], ckv.shape[1]
@@ -217,15 +239,21 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
     block_n = _block(config, "BLOCK_N")
     head_blocks = triton.cdiv(H, block_h)
-    grid = (Sq, B * head_blocks)
-    _mla_fwd[grid](
-        q_latent, q_pe, ckv, kpe, idx, m, out,
+    # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
+    # split the cache (or the top-k slots) over several programs
+    splits, split_keys = split_count(config, Sq * B * head_blocks, T if indices is None else topk, block_n)
+    if splits > 1:
+        ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent.device)
+    else:
+        ws_acc = ws_ml = out  # not written
+    _mla_fwd[(Sq, B * head_blocks, splits)](
+        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml,
         *q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(), *istrides, *mstrides,
         *out.stride(),
         H, head_blocks, T, topk, R, P,
-        float(scale), int(causal_offset),
+        float(scale), int(causal_offset), split_keys,
         HAS_INDICES=indices is not None,
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
         BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
@@ -234,6 +262,8 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
         DOT_UPCAST=interpreted() and q_latent.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
+    if splits > 1:
+        combine_splits(ws_acc, ws_ml, out.view(B * H * Sq, R), zero_empty_rows)
     return out
 
 

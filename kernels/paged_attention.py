@@ -15,7 +15,8 @@ The kernel runs one program per (request, block of query rows, kv head, key spli
 rows are (token, query head of the group) pairs, so the group's heads share every K/V tile it
 loads (what decode needs: one token, G heads). With several key splits (flash-decoding, for
 decode steps over long contexts) each split writes its partial max, sum and accumulator and
-`_combine` merges them; with one split the kernel writes the output itself.
+`_flash.combine_splits` merges them (one small launch, shared with attention and mla_decode);
+with one split the kernel writes the output itself.
 
 Three implementations of the same function:
 - `_paged_fwd`: the Triton kernel;
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from . import attention
 from ._common import check, check_float, interpreted, next_pow2
-from ._flash import dot, normalise, softmax_step
+from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
 
 NAME = "paged_attention"
 MAX_HEAD_DIM = 256
@@ -58,7 +59,9 @@ def _paged_fwd(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    hk = tl.program_id(1)
+    # 64-bit: a pool stored head-major (Hkv, rows, D) and viewed (rows, Hkv, D) has a kv head
+    # stride of rows x D, and hk times it passes 2^31 on a pool of a few million tokens
+    hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     r = pid // blocks_per_request
     mb = pid % blocks_per_request
@@ -105,7 +108,7 @@ def _paged_fwd(
 
     tok = q0 + t
     if SPLIT:
-        # partial results, in (split, token, head) order; merged by _combine
+        # partial results, in (split, token, head) order; merged by combine_splits
         base = (split * total_q + tok) * num_q_heads + h
         tl.store(WS_ACC + base[:, None] * head_dv + offs_dv[None, :], acc,
                  mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
@@ -115,16 +118,6 @@ def _paged_fwd(
         out = normalise(acc, l_i, row_ok, True)
         tl.store(O + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_dv[None, :] * stride_od,
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
-
-
-def _combine(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Merge S splits' (acc, max, sum): acc (S, Tq, Hq, Dv), ml (S, Tq, Hq, 2) -> (Tq, Hq, Dv)."""
-    m, l = ml[..., 0], ml[..., 1]
-    top = m.amax(dim=0)
-    w = torch.exp(m - torch.where(torch.isinf(top), 0.0, top))  # an empty split weighs 0
-    num = (w.unsqueeze(-1) * acc).sum(dim=0)
-    den = (w * l).sum(dim=0)
-    return (num / torch.where(den == 0, 1.0, den).unsqueeze(-1)).to(dtype)
 
 
 def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> None:
@@ -182,8 +175,7 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
     splits = triton.cdiv(max(max_k, 1), split_keys)
     blocks = triton.cdiv(max_q * group, block_m)
     if splits > 1:
-        ws_acc = torch.empty((splits, Tq, Hq, Dv), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((splits, Tq, Hq, 2), dtype=torch.float32, device=q.device)
+        ws_acc, ws_ml = split_workspace(splits, Tq * Hq, Dv, q.device)  # rows in (token, head) order
     else:
         ws_acc = ws_ml = out  # not written
     _paged_fwd[(n * blocks, Hkv, splits)](
@@ -197,7 +189,9 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
         DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
-    return _combine(ws_acc, ws_ml, q.dtype) if splits > 1 else out
+    if splits > 1:
+        combine_splits(ws_acc, ws_ml, out.view(Tq * Hq, Dv), zero_empty_rows=True)
+    return out
 
 
 def _requests(cu_q, cu_k):

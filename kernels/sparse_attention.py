@@ -72,12 +72,13 @@ def _sparse_attention_fwd(
     DOT_UPCAST: tl.constexpr,  # see `launch`
 ):
     # 64-bit row, head and batch offsets: at long contexts seq x stride passes 2**31 elements
+    # (the kv head's too: hk x Sk x D for a few kv heads of a long cache)
     i = tl.program_id(0).to(tl.int64)  # query row
-    pid = tl.program_id(1)
+    pid = tl.program_id(1).to(tl.int64)
     hb = pid % head_blocks
     bk = pid // head_blocks
     hk = bk % num_kv_heads
-    b = (bk // num_kv_heads).to(tl.int64)
+    b = bk // num_kv_heads
 
     offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # position inside the kv group
     row_ok = offs_g < group

@@ -8,7 +8,11 @@ architecture. A kernel fails when Triton or ptxas rejects it, or when it needs m
 memory per block than the architecture has; a launcher that refuses an architecture with a
 KernelInputError (FP8 weights before sm_89) is reported as refused, not failed.
 
-    TRITON_INTERPRET=0 python -m metainfer.lowering.aot [--arch sm_80 sm_89 sm_90] [--json FILE]
+    TRITON_INTERPRET=0 python -m metainfer.lowering.aot [--arch sm_80 sm_89 sm_90] [--json FILE] [--autotune]
+
+The launchers run their config row's one fixed config here (triton.autotune is for a live GPU);
+`--autotune` adds, for attention and fp8_gemm, every AUTOTUNE alternative of each row as a
+fixed config, so the candidates a GPU will time are known to compile and fit.
 
 It must run with Triton's interpreter off (kernels decorated as GPU kernels): on a CPU build
 of torch `import metainfer` turns the interpreter on unless TRITON_INTERPRET is already set.
@@ -33,6 +37,8 @@ ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 
 
 KERNEL_MODULES = ("attention", "rmsnorm", "swiglu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
                   "sparse_attention", "mla_decode")
+# kernels shared by several launchers (the merge of key splits), launched from their own module
+SHARED_MODULES = ("_flash",)
 
 
 @dataclasses.dataclass
@@ -60,7 +66,7 @@ def launched_kernels() -> dict[str, Any]:
     from triton.runtime.jit import KernelInterface
 
     found = {}
-    for name in KERNEL_MODULES:
+    for name in KERNEL_MODULES + SHARED_MODULES:
         module = importlib.import_module(f"metainfer.kernels.{name}")
         source = inspect.getsource(module)
         for attr, value in vars(module).items():
@@ -170,6 +176,13 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
                                    128 ** -0.5, config=config_for_arch("paged_attention", arch))
         return call
 
+    def attn_decode(d):
+        def call(arch):  # batch 1: 8 (batch x head) programs, far below any GPU's SMs
+            q, k, v = randn(1, 8, 1, d), randn(1, 2, 4096, d), randn(1, 2, 4096, d)
+            cfg = config_for_arch("attention", arch, head_dim=d, dtype=bf16)
+            attention.launch(q, k, v, None, d ** -0.5, True, 4095, config=cfg)
+        return call
+
     def gemm(m, act_quant):
         def call(arch):
             n, k = 512, 1024
@@ -194,10 +207,10 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         sparse_attention.launch(q, k, v, idx, None, 128 ** -0.5, True, 248,
                                 config=config_for_arch("sparse_attention", arch))
 
-    def mla(sparse_indices):
+    def mla(sparse_indices, Sq=2, T=300, topk=64):
         def call(arch):
-            B, H, Sq, T, R, P = 1, 16, 2, 300, 512, 64
-            idx = torch.randint(0, T, (B, Sq, 64), generator=g, dtype=torch.int32) if sparse_indices else None
+            B, H, R, P = 1, 16, 512, 64
+            idx = torch.randint(0, T, (B, Sq, topk), generator=g, dtype=torch.int32) if sparse_indices else None
             mla_decode.launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, None,
                               (R + P) ** -0.5, True, T - Sq, config=config_for_arch("mla_decode", arch))
         return call
@@ -209,6 +222,7 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("attention", "fp32 d64 causal", attn(64, f32, True, False)),
         ("attention", "fp32 d128 causal", attn(128, f32, True, False)),
         ("attention", "bf16 d256 causal", attn(256, bf16, True, False)),
+        ("attention", "bf16 d128 decode, key splits", attn_decode(128)),
         ("paged_attention", "bf16 d128 prefill chunks", paged(False)),
         ("paged_attention", "bf16 d128 decode, key splits", paged(True)),
         ("rmsnorm", "bf16 4096 + residual",
@@ -222,24 +236,78 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("token_ids", "int64 ids",
          lambda arch: token_ids.launch(torch.randint(0, 100, (2, 64), generator=g), 100,
                                        config=config_for_arch("token_ids", arch))),
-        ("fp8_gemm", "decode m=4, bf16 activations", gemm(4, False)),
+        ("fp8_gemm", "decode m=4, bf16 activations, split-K", gemm(4, False)),
+        ("fp8_gemm", "decode m=24, fp8 activations, split-K", gemm(24, True)),
         ("fp8_gemm", "prefill m=512, fp8 activations", gemm(512, True)),
         ("moe", "bf16 experts", experts(False)),
         ("moe", "fp8 experts", experts(True)),
         ("sparse_attention", "bf16 d128 top-64", sparse),
         ("mla_decode", "bf16 dense", mla(False)),
         ("mla_decode", "bf16 sparse top-64", mla(True)),
+        ("mla_decode", "bf16 dense decode, key splits", mla(False, Sq=1, T=4096)),
+        ("mla_decode", "bf16 sparse top-2048 decode, key splits", mla(True, Sq=1, T=4096, topk=2048)),
     ]
 
 
-def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Result], None] | None = None
-        ) -> list[Result]:
-    """Record every case's launches for each arch and compile them; one Result per kernel launch."""
+def _autotune_cases() -> list[tuple[str, str, Callable[[str], Any]]]:
+    """Every AUTOTUNE alternative of the attention and fp8_gemm rows, launched as a fixed config:
+    prefill- and decode-sized problems per attention head-dim row, each fp8_gemm M row."""
+    import torch
+
+    from metainfer.kernels import attention, fp8_gemm
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def attn(d, sq, sk, dtype=bf16):
+        def call(arch):
+            row = config_for_arch("attention", arch, head_dim=d, dtype=dtype)
+            q, k, v = randn(1, 8, sq, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype)
+            for alt in ({}, *row.get("AUTOTUNE", ())):
+                attention.launch(q, k, v, None, d ** -0.5, True, sk - sq, config={**row, **alt})
+        return call
+
+    def gemm(m):
+        def call(arch):
+            gpu = config_for_arch("fp8_gemm", arch)
+            row, _ = fp8_gemm._row_for_m(gpu, m)
+            x, w = randn(m, 1024), randn(512, 1024, dtype=torch.float8_e4m3fn)
+            for alt in ({}, *row.get("AUTOTUNE", ())):
+                fp8_gemm.launch(x, w, torch.rand(4, 8, generator=g), None, 128, 128, False,
+                                config={**row, **alt, "SMALL_M": ()})
+        return call
+
+    cases = []
+    for d in (64, 128, 256):  # 256 query rows: no candidate's 128-row tile is clamped
+        cases.append(("attention", f"autotune d{d} prefill", attn(d, 256, 256)))
+        cases.append(("attention", f"autotune d{d} decode", attn(d, 1, 4096)))
+    for d in (64, 128):  # float32 heads take the rows of bf16 heads twice as wide
+        cases.append(("attention", f"autotune fp32 d{d} prefill", attn(d, 256, 256, torch.float32)))
+    for m in (4, 24, 48, 512):
+        cases.append(("fp8_gemm", f"autotune m={m}", gemm(m)))
+    return cases
+
+
+def _blocks(launch: Launch) -> str:
+    """The launch's tile and pipeline, e.g. '128x64x- w8 s3'."""
+    kw = launch.kwargs
+    tile = "x".join(str(kw.get(k, "-")) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return f"{tile} w{kw.get('num_warps', '-')} s{kw.get('num_stages', '-')}"
+
+
+def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Result], None] | None = None,
+        autotune: bool = False) -> list[Result]:
+    """Record every case's launches for each arch and compile them; one Result per kernel launch.
+    A kernel no case launched (on any arch) is a failure: it was never compiled."""
     from metainfer.kernels import KernelInputError
 
-    cases = _cases()
-    missing = {k.split(".")[0] for k in launched_kernels()} - {c[0] for c in cases}
-    results: list[Result] = [Result(m, "-", "-", "failed", detail="no ahead-of-time case") for m in sorted(missing)]
+    cases = _cases() + (_autotune_cases() if autotune else [])
+    results: list[Result] = []
+    launched: set[str] = set()
     compiled: dict[str, Any] = {}  # same arguments on the same arch: compiled once
     for arch in archs:
         cc, shared_limit = ARCHS[arch]
@@ -253,21 +321,26 @@ def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Re
                     results.append(Result(module, case, arch, "refused", detail=str(e)))
                     continue
             for launch in launches:
+                launched.add(launch.kernel)
+                label = f"{case} {_blocks(launch)}" if case.startswith("autotune") else case
                 t0 = time.perf_counter()
                 try:
                     key = repr((arch, launch.kernel, _signature(launch)))
                     kernel = compiled.get(key) or compiled.setdefault(key, compile_launch(launch, arch))
                 except Exception as e:  # noqa: BLE001 - every compiler error is this tool's finding
-                    r = Result(launch.kernel, case, arch, "failed", seconds=time.perf_counter() - t0,
+                    r = Result(launch.kernel, label, arch, "failed", seconds=time.perf_counter() - t0,
                                detail=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}")
                 else:
                     shared = int(kernel.metadata.shared)
                     ok = shared <= shared_limit
-                    r = Result(launch.kernel, case, arch, "ok" if ok else "failed", shared, time.perf_counter() - t0,
+                    r = Result(launch.kernel, label, arch, "ok" if ok else "failed", shared, time.perf_counter() - t0,
                                "" if ok else f"needs {shared} B of shared memory per block, {arch} has {shared_limit}")
                 results.append(r)
                 if progress:
                     progress(r)
+    in_scope = [k for k in launched_kernels() if only is None or k.split(".")[0] in only]
+    results += [Result(k, "-", "-", "failed", detail="no ahead-of-time case launches it")
+                for k in sorted(set(in_scope) - launched)]
     return results
 
 
@@ -285,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", nargs="+", choices=tuple(ARCHS), default=tuple(ARCHS))
     ap.add_argument("--kernel", nargs="+", choices=KERNEL_MODULES, help="only these kernel files")
     ap.add_argument("--json", metavar="FILE", help="write the results here ('-': standard output)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="also compile every AUTOTUNE alternative of the attention and fp8_gemm rows")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") not in (None, "0"):
         print("TRITON_INTERPRET is on: kernels are interpreted functions and cannot be compiled for a GPU; "
@@ -295,7 +370,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = run(a.arch, set(a.kernel) if a.kernel else None,
                   progress=lambda r: print(f"{r.arch} {r.kernel} ({r.case}): {r.status} {r.detail}", file=sys.stderr,
-                                           flush=True))
+                                           flush=True), autotune=a.autotune)
     print(table(results))
     failed = [r for r in results if r.status == "failed"]
     print(f"{len(results)} launches, {len(failed)} failed, "

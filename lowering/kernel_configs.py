@@ -4,29 +4,63 @@ Kernels take their config as an argument; this table is where it comes from. A t
 selects a row by its `device.arch` (e.g. "sm_89" for the L40S of pcie8) and can override
 any entry in its TOML under `[kernels.<kernel name>]`. CPU tensors running through Triton's
 interpreter use the "interpreter" row: small blocks, so tests reach partial blocks cheaply.
+
+Besides block sizes a row may hold:
+- the decode key split of attention and mla_decode (flash-decoding) and fp8_gemm's split-K
+  (kernels/_common.split_count): SM_COUNT (added here per architecture, or read from the device
+  on a GPU), the launch's programs below which the long axis is split; SPLIT_MIN, the least
+  keys (or K elements) one split gets; MAX_SPLITS; fp8_gemm's SPLIT_MAX_M, the largest M split;
+  SPLITS forces a count (tests);
+- AUTOTUNE: alternative block sizes / warps / stages that triton.autotune times against the
+  row's own on a CUDA GPU (the interpreter and lowering/aot.py run the row's config alone);
+- fp8_gemm's SMALL_M: rows for decode-sized M, the first with M <= MAX_M replacing the blocks.
+A target's override of any block size, num_warps or num_stages pins it: the row's AUTOTUNE and
+SMALL_M are dropped unless the target gives its own.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
 import torch
 
+from metainfer.kernels._common import TUNED_KEYS
+
 # Attention rows are keyed by the largest head dim they serve at 2 bytes an element (registers
 # and shared memory grow with it): a float32 head of 64 takes the row of a bf16 head of 128
 # (compiled ahead of time, lowering/aot.py: fp32 d64 on the sm_89 d64 row needs 128 KiB of
 # shared memory, more than Ada's 99 KiB).
+# A decode step's query rows are clamped to a 16-row tile by the launcher; its keys are split
+# over programs when batch x heads is below SM_COUNT, at least SPLIT_MIN keys per split.
+# AUTOTUNE alternatives: compiled for every arch by `python -m metainfer.lowering.aot --autotune`
+# (all fit the arch's shared memory); none timed on a GPU yet.
+_DECODE_SPLIT = dict(SPLIT_MIN=256, MAX_SPLITS=16)
 _ATTENTION = {
-    "interpreter": [(256, dict(BLOCK_M=16, BLOCK_N=16))],
+    # small blocks and splits of 16 keys: tests reach partial blocks and key splits cheaply
+    "interpreter": [(256, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_MIN=16, MAX_SPLITS=4))],
     # Ada (L40S/L20, 100 KB shared memory per SM): smaller tiles at large head dims.
-    "sm_89": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
-              (128, dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
-              (256, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2))],
+    "sm_89": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, **_DECODE_SPLIT,
+                        AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                                  dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)))),
+              (128, dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                                   dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)))),
+              (256, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+                                   dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2))))],
     # Hopper (H100/H200, 228 KB shared memory per SM).
-    "sm_90": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)),
-              (128, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
-              (256, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2))],
+    "sm_90": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, **_DECODE_SPLIT,
+                        AUTOTUNE=(dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+                                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)))),
+              (128, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                                   dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)))),
+              (256, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2))))],
 }
 _ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
 
@@ -46,6 +80,13 @@ _TILED = {name: importlib.import_module(f"metainfer.kernels.{name}").DEFAULT_CON
           for name in ("fp8_gemm", "moe", "sparse_attention", "mla_decode")}
 
 KERNELS = ("attention", "rmsnorm", "swiglu", "rope", "token_ids", "paged_attention", *_TILED)
+
+# Streaming multiprocessors of each row's GPU (NVIDIA's specifications: A100 108, L40S 142,
+# H100/H200 132): the kernels that split work over more programs aim at this many. A CUDA
+# device reports its own (config_for). The interpreter's row pretends to 4, so tests on tiny
+# shapes reach the split paths.
+_SM_COUNT = {"interpreter": 4, "sm_89": 142, "sm_90": 132, "cuda": 108}
+_SPLITTING = ("attention", "mla_decode", "fp8_gemm")
 
 # device type -> (arch, overrides) of the target metainfer last compiled for on it
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
@@ -71,7 +112,21 @@ def config_for(kernel: str, device: torch.device, *, head_dim: int = 0, dtype: t
                ) -> dict[str, Any]:
     """The launch config for `kernel` on `device` (attention: for `head_dim` in `dtype`)."""
     arch, overrides = _row(device)
-    return {**config_for_arch(kernel, arch, head_dim=head_dim, dtype=dtype), **overrides.get(kernel, {})}
+    over = overrides.get(kernel, {})
+    cfg = {**config_for_arch(kernel, arch, head_dim=head_dim, dtype=dtype), **over}
+    if any(key in over for key in TUNED_KEYS):
+        # a target that sets blocks means them: no tuning, no per-M rows, unless it gives its own
+        for key in ("AUTOTUNE", "SMALL_M"):
+            if key not in over:
+                cfg.pop(key, None)
+    if device.type == "cuda" and "SM_COUNT" in cfg and "SM_COUNT" not in over:
+        cfg["SM_COUNT"] = _device_sms(device)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.dtype | None = None
@@ -85,7 +140,11 @@ def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.d
     if kernel == "attention":
         rows = _ATTENTION[arch]
         width = head_dim * (dtype.itemsize if dtype is not None else 2) // 2
-        return dict(next((c for limit, c in rows if width <= limit), rows[-1][1]))
-    if kernel in _TILED:
-        return dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])
-    return dict(_POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel])
+        cfg = dict(next((c for limit, c in rows if width <= limit), rows[-1][1]))
+    elif kernel in _TILED:
+        cfg = dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])
+    else:
+        cfg = dict(_POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel])
+    if kernel in _SPLITTING:
+        cfg.setdefault("SM_COUNT", _SM_COUNT[arch])
+    return cfg

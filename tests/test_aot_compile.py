@@ -24,8 +24,17 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     compiled = {(r["kernel"], r["arch"]) for r in results if r["status"] == "ok"}
     kernels = {r["kernel"] for r in results if r["status"] == "ok"}
-    assert len(kernels) == 11, sorted(kernels)  # every launched kernel, moe's two
+    # every launched kernel: moe's two, the merge of key splits, fp8_gemm's split-K sum
+    assert len(kernels) == 13, sorted(kernels)
+    assert {"_flash._combine_splits", "fp8_gemm._sum_splits"} <= kernels
     assert compiled == {(k, a) for k in kernels for a in aot.ARCHS}
+    # the decode paths: key splits of attention and MLA (dense and top-k), small-M split-K GEMMs
+    cases = {(r["kernel"], r["case"]) for r in results if r["status"] == "ok"}
+    for kernel, case in [("attention", "bf16 d128 decode, key splits"), ("mla_decode", "bf16 dense decode, key splits"),
+                         ("mla_decode", "bf16 sparse top-2048 decode, key splits"),
+                         ("fp8_gemm", "decode m=4, bf16 activations, split-K"),
+                         ("fp8_gemm", "decode m=24, fp8 activations, split-K")]:
+        assert ("_flash._combine_splits" if kernel != "fp8_gemm" else "fp8_gemm._sum_splits", case) in cases
     # the one refusal is the launcher's own: FP8 experts before sm_89
     assert [(r["kernel"], r["arch"]) for r in results if r["status"] == "refused"] == [("moe", "sm_80")]
 
@@ -39,5 +48,15 @@ def test_the_tool_refuses_to_run_under_the_interpreter(capsys, monkeypatch):
 def test_launched_kernels_are_found_in_the_kernel_files():
     """The kernels launchers start, not the @triton.jit helpers they call (found by name[grid])."""
     found = set(aot.launched_kernels())
-    assert {"attention._attention_fwd", "paged_attention._paged_fwd", "moe._moe_gate_up", "moe._moe_down"} <= found
-    assert not {"_flash.dot", "_flash.softmax_step", "fp8_gemm._e4m3_bits_to_f32", "moe._w_tile"} & found
+    assert {"attention._attention_fwd", "paged_attention._paged_fwd", "moe._moe_gate_up", "moe._moe_down",
+            "_flash._combine_splits", "fp8_gemm._sum_splits"} <= found
+    assert not {"_flash.dot", "_flash.softmax_step", "_flash.normalise", "fp8_gemm._e4m3_bits_to_f32",
+                "moe._w_tile"} & found
+
+
+def test_a_kernel_no_case_launches_fails(monkeypatch):
+    """Coverage is per launched kernel, not per file: a split kernel no case reaches is reported."""
+    monkeypatch.setattr(aot, "_cases", lambda: [])
+    results = aot.run(archs=("sm_90",), only={"fp8_gemm"})
+    assert {(r.kernel, r.status) for r in results} == {("fp8_gemm._fp8_gemm_fwd", "failed"),
+                                                      ("fp8_gemm._sum_splits", "failed")}

@@ -1,6 +1,7 @@
 """The attention kernel (Triton, under the interpreter on CPU) and its CPU path, against the
 plain-math reference, on hypothesis-drawn shapes including ones that are not block multiples."""
 
+import contextlib
 import math
 from unittest import mock
 
@@ -131,3 +132,170 @@ def test_launcher_rejects_bad_inputs(bad, msg):
         A.launch(qq, kk, vv, mm, 0.25, False, 0, config=config_for("attention", q.device))
     with pytest.raises(KernelInputError, match=msg):
         A.cpu_forward(qq, kk, vv, mm, 0.25, False, 0)
+
+
+# ---- decode key splits (flash-decoding) and the shared combine -----------------------------------
+
+@contextlib.contextmanager
+def spy(module, name):
+    """Count the calls of a module's function inside the block (the launch path a shape took)."""
+    calls, real = [], getattr(module, name)
+    with mock.patch.object(module, name, lambda *a, **k: calls.append(a) or real(*a, **k)):
+        yield calls
+
+
+@st.composite
+def decode_problems(draw):
+    p = draw(problems(max_seq=70))
+    p.update(Sq=draw(st.integers(1, 5)), splits=draw(st.integers(2, 5)),
+             offset=draw(st.integers(-3, 8)) if p["causal"] else 0)
+    return p
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=decode_problems())
+def test_key_splits_match_reference(p, interpret):
+    """A few query rows with the keys split over 2-5 programs and merged: causal offsets (negative
+    ones leave rows with no key), masks, both empty-row conventions, key counts that are not
+    multiples of the block or of the split."""
+    q, k, v, mask, scale = make(p, noncontig=p["Sq"] % 2 == 0)
+    args = (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"])
+    cfg = {**config_for("attention", q.device, head_dim=max(p["D"], p["Dv"]), dtype=q.dtype), "SPLITS": p["splits"]}
+    with spy(A, "combine_splits") as combined:
+        check(A.launch(*args, config=cfg), A.reference(*args), p["dtype"])
+    assert len(combined) == (p["Sk"] > cfg["BLOCK_N"])  # one key block cannot be split
+
+
+def test_launcher_splits_only_few_programs_over_long_keys(interpret):
+    """The interpreter row pretends to a GPU of 4 SMs: a decode step of fewer (batch x head)
+    programs over keys enough for two 16-key splits is split; more programs, a prefill (several
+    query blocks) or short keys are not."""
+    cfg = config_for("attention", torch.device("cpu"))
+    assert cfg["SM_COUNT"] == 4
+    for (B, Hq, Sq, Sk), split in [((1, 2, 1, 64), True), ((1, 3, 7, 40), True), ((2, 2, 1, 64), False),
+                                    ((1, 2, 40, 64), False), ((1, 2, 1, 31), False)]:
+        q, k, v = torch.randn(B, Hq, Sq, 16), torch.randn(B, 1, Sk, 16), torch.randn(B, 1, Sk, 16)
+        with spy(A, "combine_splits") as combined:
+            check(A.launch(q, k, v, None, 0.25, True, Sk - Sq, config=cfg),
+                  A.reference(q, k, v, None, 0.25, True, Sk - Sq), torch.float32)
+        assert bool(combined) == split, (B, Hq, Sq, Sk)
+
+
+def test_split_count_rule():
+    from metainfer.kernels._common import split_count
+
+    cfg = dict(SM_COUNT=132, SPLIT_MIN=256, MAX_SPLITS=16)
+    assert split_count(cfg, 32, 16384, 64) == (5, 3328)  # 5 x 32 programs fill 132 SMs
+    assert split_count(cfg, 1, 16384, 64) == (16, 1024)  # capped by MAX_SPLITS
+    assert split_count(cfg, 8, 700, 64) == (2, 384)  # at least SPLIT_MIN keys each
+    assert split_count(cfg, 132, 16384, 64) == (1, 16384)  # the GPU is full already
+    assert split_count({**cfg, "SPLITS": 4}, 500, 100, 16) == (4, 32)  # forced; splits of whole blocks
+    assert split_count({**cfg, "SPLITS": 9}, 1, 20, 16) == (2, 16)  # no more splits than key blocks
+    assert split_count({}, 1, 1 << 20, 64) == (1, 1 << 20)  # no SM_COUNT: no split
+
+
+@pytest.mark.parametrize("dim", [8, 40, 130])
+@pytest.mark.parametrize("zero_empty", [False, True])
+def test_combine_merges_partial_softmax_states(dim, zero_empty, interpret):
+    """_flash.combine_splits against the merge written in torch: splits with no key (max -inf,
+    sum 0), rows no split kept a key for (NaN, or 0), row counts not a multiple of its block."""
+    from metainfer.kernels._flash import combine_splits, split_workspace
+
+    splits, rows = 3, 37
+    acc, ml = split_workspace(splits, rows, dim, "cpu")
+    m, l = torch.randn(splits, rows) * 3, torch.rand(splits, rows) + 0.5
+    empty = torch.rand(splits, rows) < 0.3
+    empty[:, :2] = True  # rows 0 and 1: no key in any split
+    m, l = m.masked_fill(empty, float("-inf")), l.masked_fill(empty, 0.0)
+    acc.copy_(torch.randn(splits, rows, dim).masked_fill(empty[..., None], 0.0))
+    ml.copy_(torch.stack([m, l], -1))
+    w = torch.exp(m - m.amax(0).nan_to_num(neginf=0.0))
+    want = (w[..., None] * acc).sum(0) / (w * l).sum(0)[:, None]
+    if zero_empty:
+        want = want.nan_to_num(nan=0.0)
+    out = torch.empty(rows, dim + 3)[:, :dim]  # rows strided wider than dim
+    combine_splits(acc, ml, out, zero_empty)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.isnan(out[:2]).all() != zero_empty
+
+
+# ---- triton.autotune (CUDA only): the launch path through the tuner, every candidate --------------
+
+def _gpu_rows():
+    from metainfer.lowering.kernel_configs import _ATTENTION
+
+    return [(arch, limit) for arch in ("sm_89", "sm_90") for limit, _ in _ATTENTION[arch]]
+
+
+@pytest.mark.parametrize("arch,width", _gpu_rows())
+def test_every_autotune_candidate_matches_reference(arch, width, interpret):
+    """Each CUDA row's config and AUTOTUNE alternatives, run as the fixed config: a prefill-sized
+    and a decode-sized (query tile clamped to 16 rows, keys split) problem."""
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    row = config_for_arch("attention", arch, head_dim=width)
+    D = min(width, 64)  # a narrower head keeps the interpreter quick; the row's tiles are what vary
+    for alt in ({}, *row["AUTOTUNE"]):
+        cfg = {**row, **alt}
+        for B, Hq, Sq, Sk in ((1, 2, 70, 75), (1, 2, 1, 300)):
+            q, k, v = torch.randn(B, Hq, Sq, D), torch.randn(B, 1, Sk, D), torch.randn(B, 1, Sk, D)
+            args = (q, k, v, None, D ** -0.5, True, Sk - Sq, False)
+            check(A.launch(*args, config={**cfg, "SM_COUNT": 8, "SPLIT_MIN": 64}), A.reference(*args),
+                  torch.float32)
+
+
+def test_autotuned_launch_path(interpret, monkeypatch):
+    """The tuned launch (as on a GPU) under the interpreter, its benchmark stubbed: every candidate
+    is timed once per shape bucket and the one the stub calls fastest computes the result."""
+    from metainfer.kernels import _common
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    assert not _common.autotune_enabled(torch.device("cpu"))
+    monkeypatch.setattr(_common, "AOT_CAPABILITY", (9, 0))
+    assert not _common.autotune_enabled(torch.device("cuda")), "the AOT compile keeps one config"
+    monkeypatch.setattr(_common, "AOT_CAPABILITY", None)
+    monkeypatch.setattr(_common, "autotune_enabled", lambda device: True)
+    row = config_for_arch("attention", "sm_90", head_dim=128)
+    timed = []
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        timed.append(1)
+        return [1.0 if len(timed) % 3 else 0.5] * 3  # the third candidate of each tuning wins
+
+    monkeypatch.setattr(_common, "AUTOTUNE_BENCH", bench)
+    for B, Hq, Sq, Sk, runs in ((1, 2, 20, 40, 2), (1, 2, 1, 600, 1)):
+        q, k, v = torch.randn(B, Hq, Sq, 32), torch.randn(B, 1, Sk, 32), torch.randn(B, 1, Sk, 32)
+        args = (q, k, v, None, 0.2, True, Sk - Sq, False)
+        timed.clear()
+        for _ in range(runs):  # the second call of a bucket reuses the choice
+            check(A.launch(*args, config={**row, "SM_COUNT": 8}), A.reference(*args), torch.float32)
+        assert len(timed) == 4, "sm_90's d128 row has four candidates, each timed once"
+
+
+def test_target_overrides_pin_the_config(monkeypatch):
+    """A target's block override means that config: the row's AUTOTUNE (and fp8_gemm's SMALL_M)
+    are dropped unless it gives its own; SM_COUNT comes from the device on a GPU."""
+    from types import SimpleNamespace
+
+    from metainfer.lowering import kernel_configs as KC
+
+    monkeypatch.setattr(KC, "_active", {})
+    monkeypatch.setattr(KC, "_device_sms", lambda device: 66)
+    gpu = torch.device("cuda")
+
+    def activate(kernels):
+        KC.activate(SimpleNamespace(name="t", device=SimpleNamespace(kind="cuda", arch="sm_90"), kernels=kernels))
+
+    activate({})
+    row = KC.config_for("attention", gpu, head_dim=128)
+    assert row["AUTOTUNE"] and row["SM_COUNT"] == 66 and KC.config_for("fp8_gemm", gpu)["SMALL_M"]
+    activate({"attention": {"BLOCK_N": 32}, "fp8_gemm": {"num_stages": 2, "SMALL_M": []}})
+    pinned = KC.config_for("attention", gpu, head_dim=128)
+    assert pinned["BLOCK_N"] == 32 and "AUTOTUNE" not in pinned and pinned["SPLIT_MIN"] == row["SPLIT_MIN"]
+    fp8 = KC.config_for("fp8_gemm", gpu)
+    assert fp8["SMALL_M"] == [] and "AUTOTUNE" not in fp8
+    activate({"attention": {"SM_COUNT": 10, "AUTOTUNE": [{"BLOCK_M": 64}]}})
+    assert KC.config_for("attention", gpu, head_dim=128)["SM_COUNT"] == 10
+    assert KC.config_for("attention", gpu, head_dim=128)["AUTOTUNE"] == [{"BLOCK_M": 64}]
+    assert KC.config_for_arch("attention", "sm_80")["SM_COUNT"] == 108  # no arch row: A100's count

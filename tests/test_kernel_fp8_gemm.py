@@ -2,6 +2,7 @@
 float32 reference, the W8A16 kernel against the model's dequantise-then-linear fallback, and the
 W8A8 result against W8A16 within the activation-quantisation error bound of the module docstring."""
 
+import contextlib
 import math
 from unittest import mock
 
@@ -255,8 +256,9 @@ def test_config_clamped_to_scale_blocks_and_validated(interpret):
         ref = K.reference(x, w, s, None, 16, 16, aq)
         out = K.launch(x, w, s, None, 16, 16, aq, config=big)
         assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, 16, 16), torch.float32), "clamped")
-    assert K._tiles(big, 20, 40, 70, 16, 16) == (32, 16, 16)
-    assert K._tiles(big, 3, 1000, 4096, 128, 128) == (16, 128, 128)
+    tiles = lambda *shape: tuple(K._clamp(big, *shape)[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))  # noqa: E731
+    assert tiles(20, 40, 70, 16, 16) == (32, 16, 16)
+    assert tiles(3, 1000, 4096, 128, 128) == (16, 128, 128)
     for bad in (dict(BLOCK_M=24, BLOCK_N=16, BLOCK_K=16), dict(BLOCK_M=16, BLOCK_N=8, BLOCK_K=16),
                 dict(BLOCK_M=16, BLOCK_N=16)):
         with pytest.raises(KernelInputError, match="power of two"):
@@ -310,3 +312,110 @@ def test_rejects_strided_rows_and_bad_flag():
         K.launch(torch.randn(40, 3).T, w, s, b, 16, 32, False, config=CFG)
     with pytest.raises(KernelInputError, match="act_quant must be a bool"):
         K.launch(x, w, s, b, 16, 32, 1, config=CFG)
+
+
+# ---- decode shapes: SMALL_M rows and split-K; triton.autotune's candidates --------------------------
+
+@contextlib.contextmanager
+def split_k_sums():
+    """Count the split-K reductions launched inside the block."""
+    calls, real = [], K._sum_splits
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    with mock.patch.object(K, "_sum_splits", Counting()):
+        yield calls
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=problems(max_m=20, max_n=80, max_k=300), splits=st.integers(2, 4))
+def test_split_k_matches_reference(p, splits, interpret):
+    """K cut over 2-4 programs whose float32 partial sums a second launch adds (+ bias), rounded
+    once: the same bound against the reference as one program over K; K and the split not block
+    multiples, scale groups of 16-128."""
+    x, w, s, bias = make(p)
+    args = (x, w, s, bias, p["bn"], p["bk"], p["act_quant"])
+    with split_k_sums() as sums:
+        out = K.launch(*args, config={**CFG, "SPLITS": splits})
+    ref = K.reference(*args)
+    assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, p["bn"], p["bk"], bias), p["dtype"]), "split-K")
+    assert len(sums) == (p["K"] > p["bk"])  # splits start on scale-group boundaries
+
+
+def test_small_m_rows_and_split_k_chosen_by_shape(interpret):
+    """M picks the SMALL_M row (decode) or the base row; split-K only for small M over few output
+    tiles (the interpreter row pretends to 4 SMs), and only along whole scale groups."""
+    from metainfer.lowering.kernel_configs import config_for, config_for_arch
+
+    gpu = config_for_arch("fp8_gemm", "sm_90")
+    assert [K._row_for_m(gpu, m)[0]["BLOCK_M"] for m in (1, 16, 17, 32, 64, 65, 4096)] == [16, 16, 32, 32, 64, 64, 64]
+    assert [K._row_for_m(gpu, m)[1] for m in (1, 20, 65, 5000)] == [16, 32, 128, 4096]
+    assert "AUTOTUNE" in K._row_for_m(gpu, 65)[0] and K._row_for_m(gpu, 8)[0]["AUTOTUNE"] != gpu["AUTOTUNE"]
+    cfg = config_for("fp8_gemm", torch.device("cpu"))
+    assert cfg["SM_COUNT"] == 4
+    for (M, N, Kd), split in [((2, 20, 256), True), ((16, 40, 200), True), ((17, 20, 256), False),
+                              ((2, 80, 256), False), ((2, 20, 60), False)]:
+        w, s = K.quantize_weight(torch.randn(N, Kd), 32, 32)
+        x = torch.randn(M, Kd)
+        with split_k_sums() as sums:
+            out = K.launch(x, w, s, None, 32, 32, False, config=cfg)
+        ref = K.reference(x, w, s, None, 32, 32, False)
+        assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, 32, 32), torch.float32), str((M, N, Kd)))
+        assert bool(sums) == split, (M, N, Kd)
+
+
+def _candidate_rows():
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    gpu = config_for_arch("fp8_gemm", "sm_90")
+    return [(f"M<={r['MAX_M']}" if "MAX_M" in r else "base", m) for r, m in
+            [(gpu, 100)] + [(r, r["MAX_M"] - 3) for r in gpu["SMALL_M"]]]
+
+
+@pytest.mark.parametrize("row,M", _candidate_rows())
+def test_every_autotune_candidate_matches_reference(row, M, interpret):
+    """Each CUDA row's config and AUTOTUNE alternatives (base and SMALL_M rows), as the fixed
+    config, with split-K where the row would split on a GPU of 8 SMs."""
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    gpu = {**config_for_arch("fp8_gemm", "sm_90"), "SM_COUNT": 8, "SPLIT_MIN": 128}
+    chosen, _ = K._row_for_m(gpu, M)
+    w, s = K.quantize_weight(torch.randn(136, 520), 128, 128)
+    x = torch.randn(M, 520).bfloat16()
+    ref = K.reference(x, w, s, None, 128, 128, False)
+    A = magnitude(x, w, s, 128, 128)
+    for alt in ({}, *chosen["AUTOTUNE"]):
+        cfg = {**chosen, **alt, "SMALL_M": ()}
+        assert_within(K.launch(x, w, s, None, 128, 128, False, config=cfg), ref,
+                      ref_bound(ref, A, torch.bfloat16), f"{row} {alt}")
+
+
+def test_autotuned_launch_path(interpret, monkeypatch):
+    """The tuned launch (as on a GPU) under the interpreter, its benchmark stubbed: each M bucket
+    times its row's candidates once, then reuses the choice; split-K goes through the tuner too."""
+    from metainfer.kernels import _common
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    monkeypatch.setattr(_common, "autotune_enabled", lambda device: True)
+    timed = []
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        timed.append(1)
+        return [0.5 if len(timed) == 2 else 1.0] * 3
+
+    monkeypatch.setattr(_common, "AUTOTUNE_BENCH", bench)
+    gpu = {**config_for_arch("fp8_gemm", "sm_90"), "SM_COUNT": 8, "SPLIT_MIN": 128}
+    w, s = K.quantize_weight(torch.randn(72, 520), 128, 128)
+    bias = torch.randn(72)
+    for M in (3, 5, 40, 100):  # 3 and 5 share the M <= 16 bucket
+        x = torch.randn(M, 520).half()
+        with split_k_sums() as sums:
+            out = K.launch(x, w, s, bias, 128, 128, False, config=gpu)
+        ref = K.reference(x, w, s, bias, 128, 128, False)
+        assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, 128, 128, bias), torch.float16), str(M))
+        assert bool(sums) == (M <= 64)
+    assert len(timed) == 9, "three buckets (M <= 16, M <= 64, M 100) of three candidates each"

@@ -2,6 +2,7 @@
 CPU) and their CPU paths, against plain-math references, on hypothesis-drawn shapes including
 ones that are not block multiples, -1 padded and out-of-range indices, masks and causal offsets."""
 
+import contextlib
 import math
 from unittest import mock
 
@@ -265,6 +266,43 @@ def test_mla_empty_rows_nan_or_zero(interpret):
             zero_out = fn(ql, qp, ckv, kpe, ind, m, 0.25, False, 0, True)
             assert nan_out[:, :, empty].isnan().all() and not nan_out[:, :, full].isnan().any()
             assert (zero_out[:, :, empty] == 0).all()
+
+
+@contextlib.contextmanager
+def combined(module):
+    """Count the merges of key splits launched inside the block."""
+    calls, real = [], module.combine_splits
+    with mock.patch.object(module, "combine_splits", lambda *a, **k: calls.append(a) or real(*a, **k)):
+        yield calls
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@settings(max_examples=8, deadline=None)
+@given(p=mla_problems(), splits=st.integers(2, 4))
+def test_mla_key_splits_match_reference(sparse, p, splits, interpret):
+    """The cache (dense) or the top-k slots (sparse) split over 2-4 programs and merged: causal
+    offsets, masks and padded slots that leave rows empty, both empty-row conventions."""
+    args = make_mla(p, sparse)
+    keys = p["topk"] if sparse else p["Sk"]
+    with combined(MLA) as calls:
+        check(MLA.launch(*args, config=cfg(MLA, BLOCK_N=16, SPLITS=splits)), MLA.reference(*args), p["dtype"])
+    assert len(calls) == (keys > 16)  # one block of keys cannot be split
+
+
+def test_mla_batch1_decode_splits_the_cache(interpret):
+    """One query row, one batch, one head block: a single program unless the cache is split; with
+    the interpreter row's SM_COUNT (4) and splits of whole 16-key blocks, 70 keys make 3 splits
+    of 32 and 40 top-k slots 2 of 32 (at least SPLIT_MIN = 16 each)."""
+    from metainfer.lowering.kernel_configs import config_for
+
+    g = torch.Generator().manual_seed(4)
+    ql, qp = torch.randn(1, 16, 1, 64, generator=g), torch.randn(1, 16, 1, 16, generator=g)
+    ckv, kpe = torch.randn(1, 70, 64, generator=g), torch.randn(1, 70, 16, generator=g)
+    for idx in (None, make_indices(g, 1, 1, 70, 40, 0.2, torch.int32, False)):
+        args = (ql, qp, ckv, kpe, idx, None, 0.1, True, 69, False)
+        with combined(MLA) as calls:
+            check(MLA.launch(*args, config=config_for("mla_decode", ql.device)), MLA.reference(*args), torch.float32)
+        assert len(calls) == 1 and calls[0][0].shape[0] == (3 if idx is None else 2)
 
 
 # ---------------------------------------------------------------- bad inputs

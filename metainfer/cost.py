@@ -301,26 +301,40 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
         keys = size_hint(c.shape[1]) if idx is None else size_hint(idx.shape[-1])
         return 2 * B * H * Sq * keys * (2 * R + size_hint(qp.shape[-1])), _peak_key(ql.dtype)
     if ns == "metainfer" and name == "moe_experts":
-        x, ids, wg, wd = a[0], a[1], a[3], a[5]
+        x, ids, wg = a[0], a[1], a[3]
         pairs = numel(ids)
         return 2 * pairs * 3 * size_hint(wg.shape[1]) * size_hint(wg.shape[2]), _peak_key(x.dtype)
     return 0.0, None
 
 
-def custom_op_overhead(name: str, node: torch.fx.Node, target: Target) -> float | None:
+def custom_op_overhead(name: str, target: Target, experts: float = 1.0) -> float | None:
     """What a call of metainfer's op `name` costs beyond its work on `target` (calibrated: the
     op's own figure, else the target's default); None where the target does not say. A
-    moe_experts call adds the per-expert cost for each expert that can receive tokens."""
+    moe_experts call adds the per-expert cost for each of the `experts` that can get tokens."""
     dev = target.device
     if not dev.knows_custom_op_costs:
         return None
     default = dev.custom_op_overhead_s if dev.custom_op_overhead_s is not None else dev.launch_overhead_s
     seconds = dev.custom_op_overheads.get(name, default)
     if name == "moe_experts" and "moe_experts_per_expert" in dev.custom_op_overheads:
-        ids, w_gate = _val(node.args[1]), _val(node.args[3])
-        experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
         seconds += dev.custom_op_overheads["moe_experts_per_expert"] * experts
     return seconds
+
+
+def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, custom_op: str | None = None,
+                experts: float = 1.0) -> OpCost:
+    """One kernel of `flops` work moving `nbytes` on one device of `target`: the roofline plus
+    a launch; for metainfer's custom op `custom_op`, its calibrated call overhead instead of
+    the launch and its work scaled by its calibrated slowdown over the roofline (where the
+    target has them). The one formula for a kernel, used for graph nodes (`op_cost`), fused
+    groups and the planner's modelled layers alike."""
+    custom = custom_op_overhead(custom_op, target, experts) if custom_op else None
+    c = roofline(flops, nbytes, dtype_key, target, custom)
+    slowdown = target.device.custom_op_slowdown.get(custom_op, 1.0) if custom_op else 1.0
+    if slowdown != 1.0:  # calibrated: this op's work runs `slowdown` times its roofline here
+        overhead = c.seconds - max(flops / target.device.peak_flops[dtype_key], nbytes / target.device.memory_bandwidth)
+        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * slowdown + overhead, c.bound)
+    return c
 
 
 def op_name(node: torch.fx.Node) -> tuple[str, str]:
@@ -359,12 +373,11 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
             flops = sum(numel(t) for t in out)
         else:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
-    custom = custom_op_overhead(name, node, target) if ns == "metainfer" else None
-    c = roofline(flops, moved, key, target, custom)
-    slowdown = target.device.custom_op_slowdown.get(name, 1.0) if ns == "metainfer" else 1.0
-    if slowdown != 1.0:  # calibrated: this op's work runs `slowdown` times its roofline here
-        overhead = c.seconds - max(flops / target.device.peak_flops[key], moved / target.device.memory_bandwidth)
-        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * slowdown + overhead, c.bound)
+    experts = 1.0
+    if ns == "metainfer" and name == "moe_experts":  # the experts that can receive a token
+        ids, w_gate = _val(node.args[1]), _val(node.args[3])
+        experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
+    c = kernel_cost(flops, moved, key, target, name if ns == "metainfer" else None, experts)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 
@@ -521,7 +534,7 @@ def _group_cost(members: list, target: Target) -> OpCost:
                 written += sum(tensor_bytes(t) for t in out)
     if flops == 0 and read + written == 0:
         return OpCost(0.0, 0.0, 0.0, "free")
-    return roofline(flops, read + written, _peak_key(outputs_dtype or torch.float32), target)
+    return kernel_cost(flops, read + written, _peak_key(outputs_dtype or torch.float32), target)
 
 
 def price_graph(graph: torch.fx.Graph, target: Target) -> dict[torch.fx.Node, OpCost]:

@@ -252,13 +252,6 @@ class Degrees:
     why: str  # for the report
 
 
-def executable(plan) -> bool:
-    """Plans metainfer runs inside a job: tensor parallel in groups of tp ranks, replicated dp
-    times; experts spread only inside a tensor-parallel group (its ranks see the same tokens,
-    so an all-reduce combines their experts' outputs). No pipeline stages yet."""
-    return plan.pp == 1 and (plan.ep == 1 or plan.dp == 1)
-
-
 def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, *,
                    tensor_parallel: int | None = None, expert_parallel: bool | None = None,
                    phase: str = "decode") -> Degrees:
@@ -286,7 +279,7 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
     # expert parallelism instead), while the planner prices ep = 1 as experts split like the
     # MLP: with tp > 1 only its expert-parallel plans are what would run
     whole_experts = any(callable(getattr(m, "shard_experts", None)) for m in getattr(model, "modules", list)())
-    fits = [c for c in ph.candidates if c.runs and executable(c.plan)
+    fits = [c for c in ph.candidates if c.runs and c.executable
             and not (whole_experts and c.plan.tp > 1 and c.plan.ep == 1)
             and (tensor_parallel is None or c.plan.tp == tensor_parallel)
             and (expert_parallel is None or (c.plan.ep > 1) == expert_parallel)]
@@ -302,8 +295,9 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
     asked = "within what was asked, " if tensor_parallel is not None or expert_parallel is not None else ""
     why = (f"degrees: {best.label}: the planner's fastest plan that metainfer executes, {asked}for {phase} "
            f"({ph.batch} x {ph.seq}) on {target.name}, predicted {fits[0].tokens_per_second:,.0f} tok/s")
-    if best.label != top:
-        why += f"; its overall choice {top} needs pipeline stages or all-to-all expert dispatch, not executed yet"
+    if ph.what_if is not None:
+        why += (f"; {ph.what_if.plan.label} is predicted faster but needs pipeline stages or all-to-all expert "
+                "dispatch, not executed yet")
     other = result.phases.get("prefill" if phase == "decode" else "decode")
     if other is not None and other.chosen is not None:
         why += f"; for {other.phase} it would pick {other.chosen.plan.label} (one plan serves both phases here)"

@@ -59,6 +59,14 @@ class Plan:
         return self.tp * self.dp * self.pp
 
     @property
+    def executable(self) -> bool:
+        """Whether metainfer runs this plan inside a job today: tensor parallel in groups of
+        tp ranks, replicated dp times, experts spread only inside a tensor-parallel group (its
+        ranks see the same tokens, so an all-reduce combines their experts' outputs). Pipeline
+        stages and all-to-all expert dispatch across replicas are priced, not executed."""
+        return self.pp == 1 and (self.ep == 1 or self.dp == 1)
+
+    @property
     def label(self) -> str:
         parts = [f"tp{self.tp}"]
         if self.dp > 1:
@@ -96,26 +104,40 @@ class Candidate:
     floor_seconds: float = math.inf
     comm_seconds: float = 0.0
     tokens: int = 0  # tokens produced (decode) or processed (prefill) per step
-    draft: int = 0  # speculative draft length (decode)
+    # speculative decoding (decode, with an acceptance rate): the best draft length and the
+    # step of a verify over draft + 1 tokens plus the draft steps. A what-if: nothing applies
+    # a draft length yet, so it never enters tokens_per_second
+    draft: int = 0
     accepted_per_step: float = 1.0
+    speculative_step_seconds: float = math.inf
     runs: bool = False
     why_not: str = ""
 
     @property
+    def executable(self) -> bool:
+        return self.plan.executable
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.tokens * self.accepted_per_step / self.step_seconds if self.runs else 0.0
+        return self.tokens / self.step_seconds if self.runs else 0.0
 
     @property
     def floor_tokens_per_second(self) -> float:
-        return self.tokens * self.accepted_per_step / self.floor_seconds if self.runs else 0.0
+        return self.tokens / self.floor_seconds if self.runs else 0.0
+
+    @property
+    def speculative_tokens_per_second(self) -> float:
+        """Tokens per second with the draft (not executed yet); 0 without one."""
+        return self.tokens * self.accepted_per_step / self.speculative_step_seconds if self.runs and self.draft else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         c = self.capacity
         return {"plan": self.plan.label, "tp": self.plan.tp, "dp": self.plan.dp, "pp": self.plan.pp,
-                "ep": self.plan.ep, "runs": self.runs, "why_not": self.why_not,
+                "ep": self.plan.ep, "runs": self.runs, "executable": self.executable, "why_not": self.why_not,
                 "tokens_per_second": self.tokens_per_second, "floor_tokens_per_second": self.floor_tokens_per_second,
                 "step_s": self.step_seconds if self.runs else None, "comm_s": self.comm_seconds,
                 "draft_length": self.draft, "accepted_per_step": self.accepted_per_step,
+                "speculative_tokens_per_second": self.speculative_tokens_per_second,
                 "weights_gib_per_device": c.weights_bytes / 2**30, "kv_budget_gib_per_device": c.kv_budget_bytes / 2**30,
                 "kv_tokens_total": c.kv_tokens_total, "max_context": c.max_context,
                 "max_context_by_memory": c.max_context_by_memory, "million_token_context": c.million_token_context}
@@ -127,7 +149,8 @@ class PhasePlan:
     batch: int
     seq: int
     candidates: list[Candidate] = field(default_factory=list)
-    chosen: Candidate | None = None
+    chosen: Candidate | None = None  # the fastest plan metainfer executes
+    what_if: Candidate | None = None  # a faster plan that nothing executes yet, if any
     reason: str = ""
 
 
@@ -145,6 +168,7 @@ class PlanResult:
             out["phases"][name] = {
                 "batch": ph.batch, "seq": ph.seq, "reason": ph.reason,
                 "chosen": ph.chosen.to_dict() if ph.chosen else None,
+                "what_if_not_executable": ph.what_if.to_dict() if ph.what_if else None,
                 "candidates": [c.to_dict() for c in ph.candidates]}
         return out
 
@@ -160,8 +184,10 @@ class PlanResult:
                      "max context", "note")]
             for c in sorted(ph.candidates, key=lambda c: -c.tokens_per_second):
                 cap = c.capacity
-                note = c.why_not if not c.runs else (f"draft {c.draft} ({c.accepted_per_step:.2f} tok/step)"
-                                                     if ph.phase == "decode" and self.acceptance is not None else "")
+                note = c.why_not if not c.runs else "; ".join(n for n in (
+                    "" if c.executable else "not executable (priced only)",
+                    f"what-if draft {c.draft}: {c.speculative_tokens_per_second:,.0f} tok/s "
+                    f"({c.accepted_per_step:.2f} tok/step)" if c.draft else "") if n)
                 rows.append((c.plan.label, f"{c.tokens_per_second:,.0f}" if c.runs else "-",
                              f"{c.floor_tokens_per_second:,.0f}" if c.runs else "-",
                              f"{c.step_seconds * 1e3:.2f}" if c.runs else "-",
@@ -172,7 +198,7 @@ class PlanResult:
             for r in rows:
                 lines.append("  " + "  ".join(r[i].rjust(widths[i]) if i else r[i].ljust(widths[i])
                                               for i in range(len(widths))) + "  " + r[-1])
-            lines.append(f"  chosen: {ph.chosen.plan.label if ph.chosen else '(none)'}: {ph.reason}")
+            lines.append(f"  chosen: {ph.chosen.plan.label if ph.chosen else '(none executable)'}: {ph.reason}")
         return "\n".join(lines)
 
 
@@ -270,18 +296,28 @@ class _Layer:
         fp8 = m.weight_bytes < 2 and target.pass_options.get("fp8_mode") == "w8a8"
         self.gemm_key = "fp8" if fp8 else "bf16"
 
+    # each modelled kernel is priced by the cost model's one kernel formula (cost.kernel_cost),
+    # as the op the target's pipeline emits for it: a matmul, or metainfer's custom op
+
     def gemm(self, name: str, k: float, n: float, tokens: float | None = None, weights: float | None = None):
         """tokens x k @ k x n; the weight read once (`weights` experts' worth of it)."""
         t = self.tokens if tokens is None else tokens
         w_bytes = k * n * self.m.weight_bytes * (1 if weights is None else weights)
-        c = cost.roofline(2 * t * k * n, w_bytes + t * (k + n) * self.m.act_bytes, self.gemm_key, self.t)
+        c = cost.kernel_cost(2 * t * k * n, w_bytes + t * (k + n) * self.m.act_bytes, self.gemm_key, self.t,
+                             "fp8_linear" if self.gemm_key == "fp8" else None)
         self.tl.compute(name, c.seconds, detail=f"{c.bound}-bound")
 
     def pointwise(self, name: str, elements: float, passes: int = 2):
-        c = cost.roofline(elements, passes * elements * self.m.act_bytes, "bf16", self.t)
+        """A fused element-wise kernel (`passes` reads and writes of `elements`); `name` is
+        metainfer's op for it, kept only where the target's cost gate finds it no slower than
+        the kernel the lowering would generate, as the pass manager does."""
+        flops, nbytes = elements, passes * elements * self.m.act_bytes
+        c = min(cost.kernel_cost(flops, nbytes, "bf16", self.t, name), cost.kernel_cost(flops, nbytes, "bf16", self.t),
+                key=lambda c: c.seconds)
         self.tl.compute(name, c.seconds)
 
     def attention_core(self, name: str, heads: float, qk: float, v: float, kv_bytes_per_key: float):
+        """metainfer's `name` op ("attention" or "mla_decode") over the cached keys."""
         keys = self.context
         if self.m.index_topk:
             keys = min(keys, self.m.index_topk)
@@ -290,7 +326,7 @@ class _Layer:
         flops = 2 * self.tokens * heads * keys * (qk + v)
         cache = self.seqs * self.context * kv_bytes_per_key  # every sequence's keys read once
         io = self.tokens * heads * (qk + v) * self.m.act_bytes
-        c = cost.roofline(flops, cache + io, "bf16", self.t)
+        c = cost.kernel_cost(flops, cache + io, "bf16", self.t, name)
         self.tl.compute(name, c.seconds, detail=f"{c.bound}-bound")
 
     def collective(self, kind: str, nbytes: float, ranks: int):
@@ -302,7 +338,7 @@ class _Layer:
     def attention(self):
         m, p = self.m, self.p
         H = m.heads / p.tp
-        self.pointwise("rmsnorm", self.tokens * m.hidden)
+        self.pointwise("add_rmsnorm", self.tokens * m.hidden, passes=4)  # residual add + norm
         if m.mla:
             if m.q_lora_rank:
                 self.gemm("q_a", m.hidden, m.q_lora_rank)
@@ -312,7 +348,7 @@ class _Layer:
                 self.gemm("indexer_q", m.q_lora_rank or m.hidden, m.index_heads * m.index_head_dim)
                 flops = 2 * self.tokens * self.context * m.index_heads * m.index_head_dim
                 flops /= 2 if self.phase == "prefill" else 1
-                c = cost.roofline(flops, self.seqs * self.context * m.index_head_dim * m.act_bytes, "fp8", self.t)
+                c = cost.kernel_cost(flops, self.seqs * self.context * m.index_head_dim * m.act_bytes, "fp8", self.t)
                 self.tl.compute("indexer", c.seconds)
             latent = (m.kv_lora_rank + m.qk_rope_head_dim) * m.act_bytes
             if self.phase == "prefill":  # decompress the prompt's latent, attend over full heads
@@ -332,7 +368,7 @@ class _Layer:
         self.collective("all_reduce", self.tokens * m.hidden * m.act_bytes, p.tp)
 
     def dense_mlp(self, width: float):
-        self.pointwise("rmsnorm", self.tokens * self.m.hidden)
+        self.pointwise("add_rmsnorm", self.tokens * self.m.hidden, passes=4)
         self.gemm("gate_up", self.m.hidden, 2 * width / self.p.tp)
         self.pointwise("swiglu", self.tokens * width / self.p.tp, passes=3)
         self.gemm("down", width / self.p.tp, self.m.hidden)
@@ -340,7 +376,7 @@ class _Layer:
 
     def moe(self):
         m, p = self.m, self.p
-        self.pointwise("rmsnorm", self.tokens * m.hidden)
+        self.pointwise("add_rmsnorm", self.tokens * m.hidden, passes=4)  # residual add + norm
         self.gemm("router", m.hidden, m.experts)
         k, I = m.experts_per_token, m.expert_intermediate
         if p.ep > 1:
@@ -353,10 +389,13 @@ class _Layer:
             pairs, local = self.tokens * k, m.experts
         touched = local * (1 - (1 - 1 / m.experts) ** (self.tokens * p.dp * k if p.ep > 1 else self.tokens * k))
         split = 1 if p.ep > 1 else p.tp
-        # the experts as one grouped GEMM: weights of the experts that received tokens read once
-        self.gemm("experts_gate_up", m.hidden, 2 * I / split, tokens=pairs, weights=touched)
-        self.pointwise("swiglu", pairs * I / split, passes=3)
-        self.gemm("experts_down", I / split, m.hidden, tokens=pairs, weights=touched)
+        # the experts as fuse_moe emits them, one metainfer.moe_experts call: three GEMMs per
+        # (token, expert) pair, the weights of the experts that received tokens read once
+        width = I / split
+        c = cost.kernel_cost(2 * pairs * 3 * m.hidden * width,
+                             touched * 3 * m.hidden * width * m.weight_bytes + pairs * 2 * m.hidden * m.act_bytes,
+                             self.gemm_key, self.t, "moe_experts", experts=touched)
+        self.tl.compute("moe_experts", c.seconds, detail=f"{c.bound}-bound")
         if p.ep > 1:
             # back to the token's rank; the shared expert (whole on every rank) runs on the
             # rank's token share, and the tp ranks gather their shares
@@ -386,7 +425,7 @@ def _layer_time(kind: str, m, p, target, phase, tokens, seqs, context) -> tuple[
 
 def _head_time(m: ModelShape, p: Plan, target, rows: float) -> tuple[float, float]:
     """LM head on the rows that need logits (vocabulary-parallel) and gathering them."""
-    c = cost.roofline(2 * rows * m.hidden * m.vocab / p.tp, m.hidden * m.vocab / p.tp * m.act_bytes, "bf16", target)
+    c = cost.kernel_cost(2 * rows * m.hidden * m.vocab / p.tp, m.hidden * m.vocab / p.tp * m.act_bytes, "bf16", target)
     comm = cost.best("all_gather", rows * m.vocab * 4, target, ranks=p.tp).seconds if p.tp > 1 else 0.0
     return c.seconds + comm, comm
 
@@ -431,22 +470,19 @@ def expected_accepted(acceptance: float, draft: int) -> float:
     return (1 - acceptance ** (draft + 1)) / (1 - acceptance)
 
 
-def _decode_with_draft(m, p, target, batch, seq, acceptance: float | None):
-    """(step, floor, comm, draft, accepted per step) for the best draft length (0..MAX_DRAFT):
-    a verify step over draft + 1 tokens per sequence, plus `draft` steps of a one-layer
-    drafter (an MTP head, as DeepSeek's) on the same plan."""
-    base = step_time(m, p, target, "decode", batch, seq)
-    best = (*base, 0, 1.0)
-    if acceptance is None:
-        return best
+def _best_draft(m, p, target, batch, seq, acceptance: float) -> tuple[int, float, float]:
+    """(draft length, accepted tokens per step, step seconds) maximising accepted tokens per
+    second (0: no draft pays): a verify step over draft + 1 tokens per sequence, plus `draft`
+    steps of a one-layer drafter (an MTP head, as DeepSeek's) on the same plan."""
+    base = step_time(m, p, target, "decode", batch, seq)[0]
+    best = (0, 1.0, base)
     one_layer = dataclasses.replace(m, layers=1, dense_layers=0 if m.moe else 1)
-    draft_step = step_time(one_layer, Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)
+    draft_step = step_time(one_layer, Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)[0]
     for k in range(1, MAX_DRAFT + 1):
-        v = step_time(m, p, target, "decode", batch, seq, tokens_per_seq=k + 1)
-        step, floor, comm = (v[i] + k * draft_step[i] for i in range(3))
+        step = step_time(m, p, target, "decode", batch, seq, tokens_per_seq=k + 1)[0] + k * draft_step
         acc = expected_accepted(acceptance, k)
-        if acc / step > best[4] / best[0]:
-            best = (step, floor, comm, k, acc)
+        if acc / step > best[1] / best[2]:
+            best = (k, acc, step)
     return best
 
 
@@ -497,9 +533,10 @@ def plan(model, target="pcie8", *, phases=PHASES, batch: int | dict | None = Non
                     c.step_seconds, c.floor_seconds, c.comm_seconds = step_time(m, p, t, ph, b, s)
                     c.tokens = b * s
                 else:
-                    step, floor, comm, k, acc = _decode_with_draft(m, p, t, b, s, acceptance)
-                    c.step_seconds, c.floor_seconds, c.comm_seconds, c.draft, c.accepted_per_step = step, floor, comm, k, acc
+                    c.step_seconds, c.floor_seconds, c.comm_seconds = step_time(m, p, t, ph, b, s)
                     c.tokens = b
+                    if acceptance is not None:
+                        c.draft, c.accepted_per_step, c.speculative_step_seconds = _best_draft(m, p, t, b, s, acceptance)
             pp_out.candidates.append(c)
         _choose(pp_out, m, t)
         result.phases[ph] = pp_out
@@ -530,16 +567,28 @@ def _choose(ph: PhasePlan, m: ModelShape, t) -> None:
                 f"({t.num_devices} x {t.device.memory_bytes / 2**30:.1f} GiB in all)")
         raise PlanError(f"no plan of {m.name} on {t.name} runs {ph.phase} with {ph.batch} sequence(s) x {ph.seq} "
                         "tokens: " + "; ".join(f"{c.plan.label}: {c.why_not}" for c in shardable))
-    best = running[0]
+    executable = [c for c in running if c.executable]
+    faster = running[0] if not running[0].executable else None
+    ph.what_if = faster
+    if not executable:
+        ph.reason = (f"no plan that fits is one metainfer executes (pipeline stages or all-to-all expert dispatch "
+                     f"are priced only); fastest of them {faster.plan.label}, {faster.tokens_per_second:,.0f} tok/s")
+        return
+    best = executable[0]
     ph.chosen = best
     comm = best.comm_seconds / best.step_seconds
-    reason = f"highest predicted throughput, {best.tokens_per_second:,.0f} tok/s"
-    if len(running) > 1:
-        nxt = running[1]
+    reason = f"highest predicted throughput of the plans metainfer executes, {best.tokens_per_second:,.0f} tok/s"
+    if len(executable) > 1:
+        nxt = executable[1]
         reason += f" ({best.tokens_per_second / nxt.tokens_per_second:.2f}x {nxt.plan.label})"
     reason += f"; communication {comm:.0%} of the step, floor {best.floor_tokens_per_second:,.0f} tok/s"
+    if faster is not None:
+        reason += (f"; not executable yet: {faster.plan.label} would give {faster.tokens_per_second:,.0f} tok/s "
+                   f"({faster.tokens_per_second / best.tokens_per_second:.2f}x)")
     if ph.phase == "decode" and best.draft:
-        reason += f"; speculative draft length {best.draft} ({best.accepted_per_step:.2f} tokens accepted per step)"
+        reason += (f"; what-if, not applied yet: speculative draft length {best.draft} "
+                   f"({best.accepted_per_step:.2f} tokens accepted per step) would give "
+                   f"{best.speculative_tokens_per_second:,.0f} tok/s")
     reason += f"; holds {_tokens(best.capacity.kv_tokens_total)} KV tokens, max context {_tokens(best.capacity.max_context)}"
     if best.capacity.max_context_by_memory > best.capacity.max_context:
         reason += f" (memory allows {_tokens(best.capacity.max_context_by_memory)}; the model's positions end there)"

@@ -186,12 +186,14 @@ class GraphTimeline:
     enqueues it then; on a GPU its stream waits for the compute stream's work so far), and
     its input is ready; `wait_tensor` blocks the compute stream until it ends."""
 
-    def __init__(self, target: Target, algorithms: dict | None = None):
+    def __init__(self, target: Target, algorithms: dict | None = None,
+                 prices: "dict[torch.fx.Node, cost.OpCost] | None" = None):
         self.target = target
         self.algorithms = algorithms or {}
         self.ready: dict[torch.fx.Node, float] = {}
         self.tl = Timeline(target)
-        self.prices: dict[torch.fx.Node, cost.OpCost] = {}  # what the lowering emits (cost.price_graph)
+        # what the lowering emits (cost.price_graph); walks of one graph in several orders share it
+        self.prices: dict[torch.fx.Node, cost.OpCost] = {} if prices is None else prices
 
     def price(self, node: torch.fx.Node) -> cost.OpCost:
         if node not in self.prices:

@@ -15,12 +15,13 @@ from .base import PassContext
 
 COMMUNICATION_PASSES = ("sequence_parallel", "two_batch_overlap", "pipeline_collectives", "select_collectives",
                         "overlap_collectives")
-LOOKAHEAD_OPTION = "_lookahead"  # set while passes run on a copy: no exchanges between ranks, no nested look-ahead
+LOOKAHEAD_OPTION = "_lookahead"  # set while passes run on a copy: no exchanges between ranks
 
 
-def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+def copy_graph(graph: torch.fx.Graph, node_map: "dict | None" = None) -> torch.fx.Graph:
+    """A copy of `graph`; `node_map`, if given, is filled with each node's copy."""
     g = torch.fx.Graph()
-    g.output(g.graph_copy(graph, {}))
+    g.output(g.graph_copy(graph, {} if node_map is None else node_map))
     return g
 
 
@@ -44,4 +45,26 @@ def predicted_after_later(graph: torch.fx.Graph, ctx: PassContext) -> float:
 
 
 def wants_lookahead(ctx: PassContext) -> bool:
-    return not in_lookahead(ctx) and any(p.name in COMMUNICATION_PASSES for p in ctx.later)
+    return any(p.name in COMMUNICATION_PASSES for p in ctx.later)
+
+
+def predicted_step(graph: torch.fx.Graph, ctx: PassContext) -> float:
+    """The cost model's step for `graph` as this pipeline will leave it: after the later
+    communication passes have run on a copy, each deciding as it would in the pipeline (with
+    its own look-ahead), so the figure is the one the pipeline ends with. The one estimate
+    every communication pass decides by."""
+    if wants_lookahead(ctx):
+        return predicted_after_later(graph, ctx)
+    from metainfer.simulate import simulate
+
+    return simulate(graph, ctx.target).step_seconds
+
+
+def trial(graph: torch.fx.Graph, rewrite) -> torch.fx.Graph:
+    """A copy of `graph` with `rewrite(copy, node_map)` applied (node_map: original node ->
+    its copy) and dead code dropped: an alternative to price before committing to it."""
+    node_map: dict = {}
+    g = copy_graph(graph, node_map)
+    rewrite(g, node_map)
+    g.eliminate_dead_code()
+    return g

@@ -12,8 +12,9 @@ same attention is
 
 which reads the cache once as both key and value. The pass rewrites a fused attention (from
 mla_prefill / sparse_mla) whose K is [c W_UK^T, broadcast k_pe] and V is c W_UV^T, where the
-cost model (FLOPs of both forms at the graph's sizes) says the absorbed form is cheaper:
-decode steps (few queries over a long cache), not prefill.
+cost model predicts the graph faster with the absorbed form (each site rewritten on a copy
+and priced by the simulator): decode steps (few queries over a long cache), not prefill.
+`pass_options={"mla_decode": True}` absorbs every site (to measure the alternative).
 """
 
 from __future__ import annotations
@@ -39,21 +40,15 @@ class NearMiss(Exception):
     """MLA decode recognised, but not rewritten; the message says why."""
 
 
-def _hint(s) -> int:
-    if isinstance(s, int):
-        return s
-    return int(s.node.hint) if s.node.hint is not None else None
-
-
 @register
 class MLADecode(Pass):
     """MLA attention over a decompressed latent cache -> absorbed form + metainfer::mla_decode"""
 
     name = "mla_decode"
-    cost_gated = True
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)
+        decided: dict[tuple, tuple[bool, str]] = {}  # sites of the same sizes decide alike
         for node in list(graph.nodes):
             if node.target not in (_ATTENTION, _SPARSE):
                 continue
@@ -61,14 +56,18 @@ class MLADecode(Pass):
                 site = _match(node)
                 if site is None:
                     continue
-                pays, why = _pays(site)
-                if not pays:
-                    res.near_misses.append(f"{location(node)}: MLA kept decompressed: {why}")
-                    continue
                 if not sizes_available(graph, node, [shape(site["q_nope"]), shape(node)], site["region"]):
                     raise NearMiss("a symbolic size the absorbed form needs is not available")
             except NearMiss as e:
                 res.near_misses.append(f"{location(node)}: MLA decode not absorbed: {e}")
+                continue
+            key = _signature(node, site)
+            if key not in decided:
+                decided[key] = ((True, "forced (pass option mla_decode)") if ctx.options.get("mla_decode")
+                                else _pays(graph, node, ctx.target))
+            pays, why = decided[key]
+            if not pays:
+                res.near_misses.append(f"{location(node)}: MLA kept decompressed: {why}")
                 continue
             _rewrite(graph, node, site)
             res.matches += 1
@@ -194,23 +193,28 @@ def _match(att: Node):
                 W=W, R=R, H=H, nope=nope, dv=dv, region=region)
 
 
-def _pays(site) -> tuple[bool, str]:
-    """Absorbed vs decompressed FLOPs at the graph's sizes (symbolic sizes at their hints)."""
-    qs, ls = shape(site["q_nope"]), shape(site["latent"])
-    B, S = (qs[0], qs[1]) if site["q_swapped"] else (qs[0], qs[2])
-    T = ls[-2]
-    B, S, T = _hint(B), _hint(S), _hint(T)
-    if None in (B, S, T):
-        return False, "sizes without a hint"
-    H, R, nope, dv, P = site["H"], site["R"], site["nope"], site["dv"], shape(site["q_pe"])[-1]
-    naive = 2 * B * T * R * H * (nope + dv) + 2 * B * H * S * T * (nope + P + dv)
-    absorbed = 2 * B * H * S * R * (nope + dv) + 2 * B * H * S * T * (2 * R + P)
-    kv_bytes = B * T * H * (nope + dv) * dtype(site["latent"]).itemsize
-    pays = absorbed < naive
-    why = (f"{S} queries x {T} cached tokens, {H} heads, latent {R}: absorbed {absorbed / 1e6:.3g} vs "
-           f"decompressed {naive / 1e6:.3g} MFLOP" +
-           (f"; no {kv_bytes}-byte K/V decompression per step" if pays else ": decompressing is cheaper"))
-    return pays, why
+def _signature(att: Node, site) -> tuple:
+    return (att.target, str(shape(site["q_nope"])), str(shape(site["q_pe"])), str(shape(site["latent"])),
+            str(shape(att)), site["H"], site["R"], site["nope"], site["dv"], site["q_swapped"])
+
+
+def _pays(graph, att: Node, target) -> tuple[bool, str]:
+    """Whether the simulator predicts the graph faster with this site absorbed (rewritten on
+    a copy), and the figures."""
+    from metainfer.simulate import simulate
+
+    from .lookahead import trial
+
+    def absorb(g, node_map):
+        copy = node_map[att]
+        _rewrite(g, copy, _match(copy))
+
+    before = simulate(graph, target).step_seconds
+    after = simulate(trial(graph, absorb), target).step_seconds
+    ls = shape(_match(att)["latent"])
+    figures = (f"{ls[-2]} cached tokens, latent {ls[-1]}: predicted step {after * 1e6:.1f} us absorbed, "
+               f"{before * 1e6:.1f} us decompressed")
+    return after < before, figures
 
 
 # ---- rewrite --------------------------------------------------------------------------------

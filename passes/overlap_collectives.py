@@ -70,8 +70,9 @@ def _dependencies(nodes: list[Node]) -> dict[Node, set[Node]]:
     return deps
 
 
-def schedule(graph: torch.fx.Graph, target) -> list[Node]:
-    """The list scheduler's order of `graph`'s nodes (placeholders first, output last)."""
+def schedule(graph: torch.fx.Graph, target, prices: "dict | None" = None) -> list[Node]:
+    """The list scheduler's order of `graph`'s nodes (placeholders first, output last);
+    `prices`: the graph's cost.price_graph, if already computed."""
     nodes = list(graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
     deps = _dependencies(nodes)
@@ -83,7 +84,7 @@ def schedule(graph: torch.fx.Graph, target) -> list[Node]:
     for n in reversed(nodes):
         own = idx[n] if is_collective(n) else math.inf
         feeds[n] = min([own] + [feeds[u] for u in users[n]])
-    walk = GraphTimeline(target)
+    walk = GraphTimeline(target, prices=prices)
     order: list[Node] = []
     missing = {n: len(deps[n]) for n in nodes}
     collectives: list[tuple] = []
@@ -182,9 +183,9 @@ def memory_bound(ctx: PassContext, before_peak: float) -> float:
 
 # ---- the pass ----------------------------------------------------------------------------------
 
-def _timeline(order: list[Node], target) -> tuple[GraphTimeline, dict[Node, float]]:
+def _timeline(order: list[Node], target, prices: dict) -> tuple[GraphTimeline, dict[Node, float]]:
     """The simulator run over `order`, and how long each wait blocks the compute stream."""
-    walk = GraphTimeline(target)
+    walk = GraphTimeline(target, prices=prices)
     blocked = {}
     for n in order:
         if is_wait(n):
@@ -240,9 +241,10 @@ class OverlapCollectives(Pass):
         if not any(is_collective(n) for n in old):
             return res
         target = ctx.target
-        new = schedule(graph, target)
-        before, blocked_before = _timeline(old, target)
-        after, blocked_after = _timeline(new, target)
+        prices = cost.price_graph(graph, target)  # the same kernels in either order
+        new = schedule(graph, target, prices)
+        before, blocked_before = _timeline(old, target, prices)
+        after, blocked_after = _timeline(new, target, prices)
         t0, t1 = before.tl.schedule(), after.tl.schedule()
         figures = (f"predicted step {t0.step_seconds * 1e6:.0f} -> {t1.step_seconds * 1e6:.0f} us, exposed "
                    f"communication {t0.exposed_comm_seconds * 1e6:.0f} -> {t1.exposed_comm_seconds * 1e6:.0f} us")
@@ -258,7 +260,8 @@ class OverlapCollectives(Pass):
             why = f"overlap_collectives refused: the new schedule exceeds the memory bound: {memory}; order kept ({figures})"
         from .lookahead import in_lookahead
 
-        if not in_lookahead(ctx):  # every rank takes part, so every rank takes the same decision
+        lookahead = in_lookahead(ctx)
+        if not lookahead:  # every rank takes part, so every rank takes the same decision
             disagree = distributed.collective_order_mismatch(collective_signature(new if why is None else old),
                                                              group_names(old), proposing=why is None)
             if why is None and disagree:
@@ -268,6 +271,10 @@ class OverlapCollectives(Pass):
             return res
         for prev, n in zip(new, new[1:]):
             prev.append(n)
+        res.modified = True
+        if lookahead:  # a copy priced for another pass's decision: the order is all that counts
+            res.matches = 1
+            return res
         waits = {n.args[0]: n for n in new if is_wait(n) and isinstance(n.args[0], Node)}
         for c in (n for n in new if is_collective(n)):
             w = waits.get(c)

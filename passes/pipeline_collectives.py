@@ -12,11 +12,12 @@ Three forms, as tensor parallelism emits them (with and without sequence paralle
       -> all_gather each chunk of x, multiply it as it arrives, and put the rows back in
          rank-major order (reshape (k, n, r, N) -> (n, k, r, N))
 
-k is chosen per site by the cost model, from K_CHOICES: each chunk's GEMM is priced by the
-roofline (its weight is read again per chunk, which is why small decode GEMMs stay whole),
-each chunk's collective on the best algorithm select_collectives may pick for the group, on
-the simulator's two-stream timeline, plus the copies that gather and join the chunks. k = 1
-(no rewrite) where chunking does not pay, and the report says so with the figures. Rows of a
+k is chosen per site by the cost model, from K_CHOICES: the graph is rewritten with each k on
+a copy and priced whole by the simulator after this pipeline's later communication passes
+(lookahead.predicted_step): each chunk's GEMM reads its weight again (why small decode GEMMs
+stay whole), each chunk's collective runs on the algorithm select_collectives gives it, and
+the copies that gather and join the chunks are kernels too. k = 1 (no rewrite) where
+chunking does not pay, and the report says so with the figures. Rows of a
 matmul do not depend on each other, so the result equals the unchunked one up to the GEMM's
 rounding. Runs before select_collectives (each chunk's all-reduce is then selected on its
 own size) and before overlap_collectives (which keeps this order and may fill the gaps
@@ -30,58 +31,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from metainfer import cost
-from metainfer.simulate import Timeline
-
+from . import lookahead
 from .base import Pass, PassContext, PassResult, register
 from .matching import VIEW_OPS, Node, insert_call, is_op, location, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 K_CHOICES = (1, 2, 4, 8)
-
-
-def predicted(rows: int, k_dim: int, n: int, dtype: torch.dtype, k: int, target, ranks, allowed,
-              kind: str = "all_reduce") -> float:
-    """Predicted time of mm(rows x k_dim, k_dim x n) with its collective (`all_reduce` or
-    `reduce_scatter` after the matmul, `all_gather` of its input before it; several
-    consumers of one gather count as one matmul as wide as theirs together), in k chunks."""
-    item = torch.empty((), dtype=dtype).element_size()
-    key = cost._peak_key(dtype)
-    tl = Timeline(target)
-    sizes = _chunks(rows, k)
-
-    def gemm(r):
-        return cost.roofline(2.0 * r * k_dim * n, (r * k_dim + k_dim * n + r * n) * item, key, target).seconds
-
-    def comm(nbytes):
-        if kind == "all_reduce":
-            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
-            return min(options, key=lambda c: c.seconds)
-        return cost.collective_cost(kind, nbytes, target, ranks=ranks)
-
-    def copy(nbytes):
-        return cost.roofline(0.0, 2.0 * nbytes, key, target).seconds
-
-    if kind == "all_gather":  # the gathers go first, each chunk's matmuls as its rows arrive
-        arrived = [tl.communicate(c, c.seconds) for c in (comm(r * k_dim * item) for r in sizes)]
-        for r, ready in zip(sizes, arrived):
-            tl.wait(ready)
-            tl.compute("mm", gemm(r))
-        if k > 1:  # rows back in rank order
-            tl.compute("reorder", copy(rows * n * item))
-        return tl.schedule().step_seconds
-    if kind == "reduce_scatter" and k > 1:  # each chunk's rows picked from every rank's block
-        tl.compute("pick", copy(rows * k_dim * item))
-    end = 0.0
-    for r in sizes:
-        ready = tl.compute("mm", gemm(r))
-        end = tl.communicate(comm(r * n * item), 0.0, max(ready, tl.compute_free))
-    tl.wait(end)
-    if k > 1:  # the copy that joins the chunks
-        out = rows * n * item / (len(ranks) if kind == "reduce_scatter" else 1)
-        tl.compute("cat", copy(out))
-    return tl.schedule().step_seconds
 
 
 def _chunks(rows: int, k: int) -> list[int]:
@@ -132,8 +88,6 @@ class PipelineCollectives(Pass):
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        from .select_collectives import allowed_algorithms
-
         res = PassResult(modified=False)
         if not (dist.is_available() and dist.is_initialized()):
             return res
@@ -143,6 +97,8 @@ class PipelineCollectives(Pass):
             raise ValueError(f"pipeline_chunks must be one of {K_CHOICES}, got {forced!r}")
         kinds = {c10d.all_reduce.default: "all_reduce", c10d.reduce_scatter_tensor.default: "reduce_scatter",
                  c10d.all_gather_into_tensor.default: "all_gather"}
+        unchanged = None
+        decided: dict[tuple, dict[int, float]] = {}
         for node in list(graph.nodes):
             kind = kinds.get(node.target) if node.op == "call_function" else None
             if kind is None:
@@ -171,7 +127,6 @@ class PipelineCollectives(Pass):
                 rows, k_dim = shape(wait)
                 widths = [shape(u)[1] for u in users]
                 step = shape(node.args[0])[0]  # chunks of every rank's block
-                dtype = tensor_val(wait).dtype
             else:
                 mm = _mm_feeding(node)
                 if mm is None:
@@ -180,29 +135,49 @@ class PipelineCollectives(Pass):
                 rows, k_dim = shape(mm.args[0])
                 widths = [shape(mm)[1]]
                 step = rows // n if kind == "reduce_scatter" else rows
-                dtype = tensor_val(mm).dtype
-            allowed = allowed_algorithms(target, ranks) if kind == "all_reduce" else set()
             exact = kind != "all_reduce"  # the other two need equal chunks of each rank's block
             options = [k for k in K_CHOICES if k <= step and (not exact or step % k == 0)]
-            times = {k: predicted(rows, k_dim, sum(widths), dtype, k, target, ranks, allowed, kind)
-                     for k in options}
+            site = (kind, node, wait, mm if kind != "all_gather" else None, users if kind == "all_gather" else [], n)
+            signature = (kind, rows, k_dim, tuple(widths), n, str(tensor_val(node.args[0]).dtype))
+            if signature in decided:  # sites of the same sizes (every layer's) decide alike
+                times = decided[signature]
+            else:
+                if unchanged is None:  # the graph as it stands, priced once until a site is rewritten
+                    unchanged = lookahead.predicted_step(graph, ctx)
+                times = {1: unchanged}
+                for k in options[1:] if forced is None else [forced] if forced in options and forced > 1 else []:
+                    times[k] = lookahead.predicted_step(lookahead.trial(graph, lambda g, m: _rewrite(g, site, k, m)),
+                                                        ctx)
+                decided[signature] = times
             best = forced if forced is not None and forced in times else min(times, key=lambda k: (times[k], k))
-            figures = ", ".join(f"k={k} {t * 1e6:.1f} us" for k, t in times.items())
+            figures = ", ".join(f"k={k} step {t * 1e6:.1f} us" for k, t in sorted(times.items()))
             head = (f"{where}: {kind} over {n} ranks beside mm {rows}x{k_dim}x{'+'.join(map(str, widths))}")
             if best == 1 or not (forced or times[best] < times[1] * (1 - 1e-9)):
                 res.decisions.append(f"{head}: k=1 (kept whole), predicted {figures}")
                 continue
-            if kind == "all_reduce":
-                _rewrite_all_reduce(graph, node, mm, mm.args[0], wait, best)
-            elif kind == "reduce_scatter":
-                _rewrite_reduce_scatter(graph, node, mm, wait, n, best)
-            else:
-                _rewrite_all_gather(graph, node, wait, users, n, best)
+            _rewrite(graph, site, best)
+            unchanged = None
             res.decisions.append(f"{head}: k={best} chunks, predicted {figures}"
                                  + (" (pipeline_chunks forced)" if forced else ""))
             res.matches += 1
             res.modified = True
         return res
+
+
+def _rewrite(graph, site: tuple, k: int, node_map: "dict | None" = None) -> None:
+    """Chunk `site` k ways in `graph` (a copy of the graph the site was found in when
+    `node_map` maps the original nodes to their copies)."""
+    kind, coll, wait, mm, users, n = site
+    if node_map is not None:
+        coll, wait = node_map[coll], node_map[wait]
+        mm = node_map[mm] if mm is not None else None
+        users = [node_map[u] for u in users]
+    if kind == "all_reduce":
+        _rewrite_all_reduce(graph, coll, mm, mm.args[0], wait, k)
+    elif kind == "reduce_scatter":
+        _rewrite_reduce_scatter(graph, coll, mm, wait, n, k)
+    else:
+        _rewrite_all_gather(graph, coll, wait, users, n, k)
 
 
 def _erase_collective(graph, coll: Node, wait: Node) -> None:

@@ -15,7 +15,9 @@ all-reduce input yields exactly those rows, and an all-gather restores the full 
 a value leaves the region (one per value). Bytes on a ring are the same as the all-reduces'
 (reduce-scatter + all-gather = all-reduce); the norms and adds run on 1/n of the tokens and
 the residual stream between regions is 1/n of its size. The cost model decides whether it
-pays on the target (an island-aware all-reduce can beat two flat rings).
+pays on the target (an island-aware all-reduce can beat two flat rings): the graph is
+rewritten on a copy and both are priced by the simulator after the later communication passes.
+`pass_options={"sequence_parallel": True}` applies it regardless (to measure the alternative).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ import operator
 
 import torch
 import torch.distributed as dist
-
-from metainfer import cost
 
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
@@ -158,95 +158,88 @@ class SequenceParallel(Pass):
         res = PassResult(modified=False)
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return res
-        roots = []
-        for node in graph.nodes:
-            if node.target is not c10d.all_reduce.default:
-                continue
-            waits = list(node.users)
-            if (len(waits) == 1 and waits[0].target is c10d.wait_tensor.default and node.args[1] == "sum"
-                    and _static(shape(node.args[0]))):
-                roots.append((node, waits[0]))
-            else:
-                res.near_misses.append(f"{location(node)}: all_reduce not made sequence-parallel: not a single wait "
-                                       "of a static-shape sum")
-        if not roots:
+        site = _find(graph, res)
+        if site is None:
             return res
-        groups = {r.args[2] for r, _ in roots}
-        if len(groups) != 1:
-            res.near_misses.append("sequence_parallel: all-reduces over several groups; not applied")
+        ranks = tuple(dist.get_process_group_ranks(site.pg))
+        if max(ranks) >= ctx.target.num_devices:
+            res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: the group's ranks {ranks} "
+                                   "are not devices of the target")
             return res
-        group = groups.pop()
-        pg = dist.distributed_c10d._resolve_process_group(group)
-        n, me = pg.size(), dist.get_rank(pg)
-        x0 = shape(roots[0][0].args[0])
-        tokens = math.prod(x0[:-1])
-        if tokens % n or any(math.prod(shape(r.args[0])[:-1]) != tokens for r, _ in roots):
-            res.near_misses.append(f"sequence_parallel: {tokens} tokens do not split over {n} ranks "
-                                   "(or the all-reduces differ in tokens); not applied")
+        # decided by the one cost model: the whole graph priced with and without the rewrite,
+        # each as this pipeline's later communication passes would leave it
+        trial = lookahead.copy_graph(graph)
+        _rewrite(trial, _find(trial, PassResult(modified=False)))
+        trial.eliminate_dead_code()
+        with_sp, without = lookahead.predicted_step(trial, ctx), lookahead.predicted_step(graph, ctx)
+        later = [p.name for p in ctx.later if p.name in lookahead.COMMUNICATION_PASSES]
+        figures = (f"predicted step {with_sp * 1e6:.0f} us with it, {without * 1e6:.0f} us without"
+                   + (f" (after {', '.join(later)})" if later and not lookahead.in_lookahead(ctx) else ""))
+        forced = bool(ctx.options.get("sequence_parallel"))
+        if not (with_sp < without * (1 - 1e-6) or forced):  # a tie is not a reason to rewrite
+            res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: {figures}")
             return res
-        region = _Region(tokens)
-        for _, w in roots:
-            region.members.add(w)
-        for node in graph.nodes:  # topological: inputs are decided before their users
-            if node not in region.members and _joins(node, region):
-                region.members.add(node)
-                region.nodes.append(node)
-        boundary = [v for v in [w for _, w in roots] + region.nodes
-                    if tensor_val(v) is not None and any(u not in region.members for u in v.users)]
-        pays, why = _pays(roots, region, boundary, ctx.target, pg, tokens, n)
-        if not pays:
-            res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: {why}")
-            return res
-        if lookahead.wants_lookahead(ctx):  # would the later passes do better with the all-reduces?
-            trial = lookahead.copy_graph(graph)
-            quiet = dataclasses.replace(ctx, options={**ctx.options, lookahead.LOOKAHEAD_OPTION: True})
-            self.run(trial, quiet)
-            with_sp, without = lookahead.predicted_after_later(trial, ctx), lookahead.predicted_after_later(graph, ctx)
-            later = ", ".join(p.name for p in ctx.later if p.name in lookahead.COMMUNICATION_PASSES)
-            figures = (f"after the later passes ({later}) the step is predicted {with_sp * 1e6:.0f} us with it, "
-                       f"{without * 1e6:.0f} us without")
-            if not with_sp < without * (1 - 1e-9):
-                res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: {why}; but {figures}")
-                return res
-            why += f"; {figures}"
-        gathers = _rewrite(graph, roots, region, boundary, group, n, me, tokens)
-        res.modified, res.matches = True, len(roots)
-        rows = tokens // n
+        if forced:
+            figures += "; forced (pass option sequence_parallel)"
+        gathers = _rewrite(graph, site)
+        res.modified, res.matches = True, len(site.roots)
         res.decisions.append(
-            f"{len(roots)} all-reduce(s) -> reduce-scatter on {n} ranks; {len(region.nodes)} token-wise op(s) "
-            f"(residual adds, norms) now on {rows} of {tokens} tokens; {gathers} all-gather(s) where values "
-            f"leave the region; {why}")
+            f"{len(site.roots)} all-reduce(s) -> reduce-scatter on {site.n} ranks; {len(site.region.nodes)} token-wise "
+            f"op(s) (residual adds, norms) now on {site.tokens // site.n} of {site.tokens} tokens; {gathers} "
+            f"all-gather(s) where values leave the region; {figures}")
         return res
 
 
-def _pays(roots, region, boundary, target, pg, tokens, n) -> tuple[bool, str]:
-    """(whether the predicted time with sequence parallelism is lower, the figures)."""
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    if max(ranks) >= target.num_devices:
-        return False, f"the group's ranks {ranks} are not devices of the target"
-    from .select_collectives import allowed_algorithms
+@dataclasses.dataclass
+class _Site:
+    roots: list  # (all_reduce, wait) pairs
+    region: _Region
+    boundary: list  # region values used outside it
+    group: str
+    pg: object
+    n: int
+    me: int
+    tokens: int
 
-    allowed = allowed_algorithms(target, ranks)  # what select_collectives could pick instead
 
-    def nbytes(v):
-        t = tensor_val(v)
-        return t.numel() * t.element_size()
-
-    before = sum(min((c for c in cost.candidates("all_reduce", nbytes(r.args[0]), target, ranks=ranks)
-                      if c.algorithm in allowed), key=lambda c: c.seconds).seconds for r, _ in roots)
-    after = sum(cost.collective_cost("reduce_scatter", nbytes(r.args[0]), target, ranks=ranks).seconds
-                for r, _ in roots)
-    after += sum(cost.collective_cost("all_gather", nbytes(v), target, ranks=ranks).seconds
-                 for v in dict.fromkeys(_source(v, region) for v in boundary))  # graph order: same on every rank
-    saved = 0.0
-    launch = target.device.launch_overhead_s
-    for v in region.nodes:
-        c = cost.op_cost(v, target)
-        if c.seconds > launch:
-            saved += (c.seconds - launch) * (1 - 1 / n)
-    figures = (f"predicted reduce-scatter + all-gather {after * 1e6:.0f} us - {saved * 1e6:.0f} us of token-wise "
-               f"compute saved, vs all-reduce {before * 1e6:.0f} us on the best algorithm")
-    return after - saved < before * (1 - 1e-6), figures  # a tie is not a reason to rewrite
+def _find(graph: torch.fx.Graph, res: PassResult) -> "_Site | None":
+    """The all-reduces and the token-wise region after them, or None (near misses in `res`)."""
+    roots = []
+    for node in graph.nodes:
+        if node.target is not c10d.all_reduce.default:
+            continue
+        waits = list(node.users)
+        if (len(waits) == 1 and waits[0].target is c10d.wait_tensor.default and node.args[1] == "sum"
+                and _static(shape(node.args[0]))):
+            roots.append((node, waits[0]))
+        else:
+            res.near_misses.append(f"{location(node)}: all_reduce not made sequence-parallel: not a single wait "
+                                   "of a static-shape sum")
+    if not roots:
+        return None
+    groups = {r.args[2] for r, _ in roots}
+    if len(groups) != 1:
+        res.near_misses.append("sequence_parallel: all-reduces over several groups; not applied")
+        return None
+    group = groups.pop()
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    n, me = pg.size(), dist.get_rank(pg)
+    x0 = shape(roots[0][0].args[0])
+    tokens = math.prod(x0[:-1])
+    if tokens % n or any(math.prod(shape(r.args[0])[:-1]) != tokens for r, _ in roots):
+        res.near_misses.append(f"sequence_parallel: {tokens} tokens do not split over {n} ranks "
+                               "(or the all-reduces differ in tokens); not applied")
+        return None
+    region = _Region(tokens)
+    for _, w in roots:
+        region.members.add(w)
+    for node in graph.nodes:  # topological: inputs are decided before their users
+        if node not in region.members and _joins(node, region):
+            region.members.add(node)
+            region.nodes.append(node)
+    boundary = [v for v in [w for _, w in roots] + region.nodes
+                if tensor_val(v) is not None and any(u not in region.members for u in v.users)]
+    return _Site(roots, region, boundary, group, pg, n, me, tokens)
 
 
 def _source(v: Node, region: _Region) -> Node:
@@ -257,7 +250,10 @@ def _source(v: Node, region: _Region) -> Node:
     return v
 
 
-def _rewrite(graph, roots, region: _Region, boundary, group: str, n: int, me: int, tokens: int) -> int:
+def _rewrite(graph, site: _Site) -> int:
+    """Apply `site` (found in `graph`); returns the number of all-gathers added."""
+    roots, region, boundary, group, n, me, tokens = (site.roots, site.region, site.boundary, site.group, site.n,
+                                                     site.me, site.tokens)
     rows = tokens // n
     local: dict[Node, Node] = {}
     sliced: dict[Node, Node] = {}

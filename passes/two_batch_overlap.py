@@ -396,17 +396,6 @@ def split(graph: torch.fx.Graph, trace: BatchTrace) -> int:
     return duplicated
 
 
-def _predicted(graph: torch.fx.Graph, target) -> float:
-    from metainfer.simulate import GraphTimeline
-
-    from .overlap_collectives import schedule
-
-    walk = GraphTimeline(target)
-    for n in schedule(graph, target):
-        walk.place(n)
-    return walk.tl.schedule().step_seconds
-
-
 @register
 class TwoBatchOverlap(Pass):
     """one batch -> two micro-batches in one graph, so the scheduler overlaps one's collectives with the other's compute"""
@@ -429,18 +418,19 @@ class TwoBatchOverlap(Pass):
             res.near_misses.append(f"two_batch_overlap: batch of {trace.batch}: splitting a token range instead of "
                                    "sequences is not implemented (an even batch is split)")
             return res
-        from .lookahead import copy_graph
+        from . import lookahead
 
-        trial = copy_graph(graph)
+        trial = lookahead.copy_graph(graph)
         try:
             dup = split(trial, BatchTrace(trial))
             trial.eliminate_dead_code()
         except Unsplittable as e:
             res.near_misses.append(f"two_batch_overlap: batch not split: {e}")
             return res
-        before, after = _predicted(graph, ctx.target), _predicted(trial, ctx.target)
+        before, after = lookahead.predicted_step(graph, ctx), lookahead.predicted_step(trial, ctx)
+        later = [p.name for p in ctx.later if p.name in lookahead.COMMUNICATION_PASSES]
         figures = (f"predicted step {before * 1e6:.0f} us as one batch, {after * 1e6:.0f} us as two micro-batches "
-                   "(both scheduled by overlap_collectives)")
+                   f"(after {', '.join(later) if later and not lookahead.in_lookahead(ctx) else 'no later pass'})")
         forced = bool(ctx.options.get("two_batch_overlap"))
         if not (after < before * (1 - 1e-9) or forced):
             res.near_misses.append(f"two_batch_overlap: does not pay: {figures}")

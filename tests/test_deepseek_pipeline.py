@@ -50,13 +50,16 @@ def test_models_deepseek_optimize_verify_and_generate(name, dtype, lowering):
         pin_routing(m)
     cfg = m.config
     (ids,) = models.example_inputs(name, batch=2, seq=8)
-    opt = metainfer.optimize(m, "cpu", example_inputs=(ids,), verify=True, lowering=lowering)
+    # decode here is over a few cached tokens, where the cost model keeps MLA decompressed
+    # (test_pass_deepseek covers that decision): absorbed by force, to run it end to end
+    opt = metainfer.optimize(m, "cpu", example_inputs=(ids,), verify=True, lowering=lowering,
+                             pass_options={"mla_decode": True})
     sec = opt.report.sections[0]
     assert matches(sec, "mla_prefill") == cfg.n_layers
     assert matches(sec, "fuse_moe") == cfg.n_layers - cfg.n_dense_layers
     assert matches(sec, "sparse_mla") == (cfg.n_layers if cfg.index_n_heads else 0)
     fp8_linears = cfg.n_layers * (5 + 2 * bool(cfg.index_n_heads)) + 3 * cfg.n_dense_layers + 3 * (
-        cfg.n_layers - cfg.n_dense_layers)
+        cfg.n_layers - cfg.n_dense_layers) - cfg.n_layers  # wkv_b: read by the (forced) absorbed form
     assert matches(sec, "fp8_gemm") == (fp8_linears if cfg.fp8 else 0)
     if cfg.fp8:
         assert "W8A16" in str(opt.report)
@@ -116,8 +119,18 @@ def test_models_deepseek_through_the_triton_kernels(interpret, monkeypatch):
                             calls.__setitem__(_name, calls.get(_name, 0) + 1) or _real(*a, **k))
     m = models.build("deepseek-v32-tiny-fp8")
     (ids,) = models.example_inputs("deepseek-v32-tiny-fp8", batch=2, seq=8)
-    opt = metainfer.optimize(m, "cpu", lowering="aot_eager")
-    ref, out = _teacher_forced(m, ids), _teacher_forced(opt, ids)
+    prefill = metainfer.optimize(m, "cpu", lowering="aot_eager")
+    # decode steps over a few cached tokens, where the cost model keeps MLA decompressed:
+    # absorbed by force, so its kernel runs too
+    decode = metainfer.optimize(m, "cpu", lowering="aot_eager", pass_options={"mla_decode": True})
+
+    class Both:
+        model = m
+
+        def __call__(self, x, start_pos):
+            return (prefill if start_pos == 0 else decode)(x, start_pos=start_pos)
+
+    ref, out = _teacher_forced(m, ids), _teacher_forced(Both(), ids)
     assert mismatch(ref, out) is None, mismatch(ref, out)
     # prefill: sparse attention over the decompressed cache; decode steps: absorbed MLA
     assert set(calls) == {"fp8_gemm", "moe", "sparse_attention", "mla_decode"}, calls

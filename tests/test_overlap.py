@@ -104,13 +104,23 @@ def test_peak_live_bytes_counts_views_as_their_base():
 
 
 def test_pipeline_chunks_pay_for_prefill_and_not_for_decode():
-    t = targets.get("pcie8")
-    ranks = tuple(range(8))
-    ring = {"ring"}
-    prefill = {k: pc.predicted(16384, 3584, 8192, torch.bfloat16, k, t, ranks, ring) for k in pc.K_CHOICES}
-    decode = {k: pc.predicted(64, 3584, 8192, torch.bfloat16, k, t, ranks, ring) for k in pc.K_CHOICES}
-    assert min(prefill, key=prefill.get) > 1
-    assert min(decode, key=decode.get) == 1, "a small GEMM re-reads its weight per chunk"
+    """A Llama-3-70B-sized row-parallel matmul at tp8 on pcie8: 16k prefill rows give a
+    256 MiB all-reduce, and chunks hide the next chunk's GEMM behind it; 64 decode rows a
+    GEMM whose weight would be read once per chunk, beside a 1 MiB all-reduce."""
+    from metainfer.distributed import fake_job
+
+    def row_parallel(x, w):
+        return c10d.wait_tensor(c10d.all_reduce(x @ w, "sum", dist.group.WORLD.group_name))
+
+    for rows, pays in ((16384, True), (64, False)):
+        with fake_job(8):
+            x, w = torch.empty(rows, 3584, dtype=torch.bfloat16), torch.empty(3584, 8192, dtype=torch.bfloat16)
+            gm = make_fx(row_parallel, tracing_mode="fake")(x, w)
+            after, rec = run_pass("pipeline_collectives", gm, "pcie8")
+        assert len(rec.decisions) == 1 and f"beside mm {rows}x3584x8192" in rec.decisions[0], rec.decisions
+        assert rec.matches == int(pays), rec.decisions
+        chunks = sum(1 for n in after.graph.nodes if n.target is c10d.all_reduce.default)
+        assert chunks == (int(rec.decisions[0].split(": k=")[1].split()[0]) if pays else 1), rec.decisions
 
 
 def test_pipeline_collectives_needs_a_job():
@@ -215,18 +225,27 @@ def test_batch_split_refuses_what_it_cannot_trace():
 
 
 def test_sequence_parallel_decides_with_the_later_passes_in_view():
-    """Llama-3-70B at tp4 x dp2 (prefill, 2 x 4096 per replica): on its own, sequence
-    parallelism pays by the norms' work; after two micro-batches, pipelining and the scheduler
-    the all-reduces give the shorter step, so it declines, with both figures."""
-    model = models.build("llama3-70b", device="meta", n_layers=2, dtype=torch.bfloat16)
+    """Llama-3-70B at tp4 x dp2 (prefill, 2 x 4096 per replica) on pcie8: the step figures the
+    pass decides by are the ones the whole pipeline ends with, with the pass forced on and
+    with it disabled (separate runs), and it takes the shorter."""
+    import re
+
     ids = torch.zeros(2, 4096, dtype=torch.long, device="meta")
-    report = metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=8, tensor_parallel=4)
+
+    def analysed(**kw):
+        model = models.build("llama3-70b", device="meta", n_layers=2, dtype=torch.bfloat16)
+        return metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=8, tensor_parallel=4, **kw)
+
+    report = analysed()
     sp = report.record("sequence_parallel")
-    assert sp.matches == 0
-    assert any("token-wise compute saved" in m and "after the later passes" in m for m in sp.near_misses), sp.near_misses
-    alone = metainfer.analyze(models.build("llama3-70b", device="meta", n_layers=2, dtype=torch.bfloat16), "pcie8",
-                              example_inputs=(ids,), ranks=8, tensor_parallel=4,
-                              passes=["fuse_attention", "sequence_parallel"])
+    said = " ".join(sp.decisions + sp.near_misses)
+    with_it, without = (float(x) for x in re.search(r"predicted step (\d+) us with it, (\d+) us without", said).groups())
+    assert "after two_batch_overlap, pipeline_collectives, select_collectives, overlap_collectives" in said
+    forced = analysed(pass_options={"sequence_parallel": True}).sections[0].prediction["after_s"]
+    disabled = analysed(disable=["sequence_parallel"]).sections[0].prediction["after_s"]
+    assert (with_it, without) == (pytest.approx(forced * 1e6, abs=1), pytest.approx(disabled * 1e6, abs=1))
+    assert sp.matches == (4 if forced < disabled else 0), said
+    alone = analysed(passes=["fuse_attention", "sequence_parallel"])
     assert alone.record("sequence_parallel").matches == 4, "with nothing after it, it takes the work saved"
 
 

@@ -291,7 +291,9 @@ def test_sparse_op_with_a_finite_fill_equals_dense_even_on_fully_masked_rows():
 
 @pytest.mark.parametrize("name", ["deepseek-tiny", "deepseek-v32-tiny"])
 def test_mla_decode_absorbs_on_decode_steps(name):
-    gm, args = ds_graph(name, seq=12, decode=True)
+    """One query over 256 cached tokens: decompressing the cache is 256 rows of a GEMM per
+    step, the absorbed form two small per-head GEMMs."""
+    gm, args = ds_graph(name, seq=256, decode=True)
     after, rec = run(gm, "mla_prefill", "sparse_mla", "mla_decode")
     r = rec["mla_decode"]
     assert r.matches == 2 and all("absorbed" in d for d in r.decisions), r.near_misses
@@ -312,10 +314,10 @@ def test_mla_decode_on_transformers_deepseek_v3_decode():
     from transformers import DynamicCache
 
     m = tiny_hf_model("DeepseekV3", "eager", layers=2, **HF_TINY)
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 128, (2, 257), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=m.config)
-    m(ids[:, :8], cache=cache)
-    gm, args = capture_graph(lambda x, c: m(x, cache=c).logits, ids[:, 8:], cache)
+    m(ids[:, :256], cache=cache)  # enough cached tokens for the absorbed form to pay
+    gm, args = capture_graph(lambda x, c: m(x, cache=c).logits, ids[:, 256:], cache)
     after, rec = run(gm, "mla_prefill", "mla_decode")
     assert rec["mla_decode"].matches == 2, rec["mla_decode"].near_misses
     assert_same(gm, after, args)

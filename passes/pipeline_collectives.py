@@ -232,7 +232,9 @@ def _rewrite_all_gather(graph, ag: Node, wait: Node, users: list[Node], n: int, 
     for mm in users:
         w = mm.args[1]
         parts = [insert_call(graph, mm, aten.mm.default, (d, w), meta_from=mm) for d in done]
-        out = insert_call(graph, mm, aten.stack.default, (parts, 0), meta_from=mm)  # (k, n*c, N)
+        # (k * n*c, N); cat, not stack: the graph is past Inductor's decompositions, and stack
+        # is one of them (Inductor has no lowering for it)
+        out = insert_call(graph, mm, aten.cat.default, (parts, 0), meta_from=mm)
         width_out = shape(mm)[1]
         out = insert_call(graph, mm, aten.reshape.default, (out, [k, n, c, width_out]), meta_from=mm)
         out = insert_call(graph, mm, aten.permute.default, (out, [1, 0, 2, 3]), meta_from=mm)

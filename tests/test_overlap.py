@@ -123,6 +123,25 @@ def test_pipeline_chunks_pay_for_prefill_and_not_for_decode():
         assert chunks == (int(rec.decisions[0].split(": k=")[1].split()[0]) if pays else 1), rec.decisions
 
 
+def test_pipelined_all_gather_lowers_through_inductor():
+    """The column-parallel form's rewrite reaches Inductor after its decompositions: every op
+    it adds must have a lowering there (aten.stack, a decomposition, had none)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from metainfer.distributed import fake_job
+
+    def fn(x, w1, w2):
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, dist.group.WORLD.group_name))
+        return g @ w1, g @ w2
+
+    with fake_job(4):
+        args = (torch.randn(8, 64), torch.randn(64, 32), torch.randn(64, 48))
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        after, rec = run_pass("pipeline_collectives", gm, "pcie4", options={"pipeline_chunks": 2})
+        assert rec.matches == 1, rec.near_misses
+        compile_fx_inner(after, list(args))  # raised "both a fallback and a decomp" before
+
+
 def test_pipeline_collectives_needs_a_job():
     gm = _graph(nothing_independent, (64, 256), (256, 256), (256, 256))
     after, rec = run_pass("pipeline_collectives", gm, "pcie8")

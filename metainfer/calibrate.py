@@ -13,7 +13,9 @@ What is measured (each the median of repeated timings after a warm-up):
   work) on tiny inputs, and for moe_experts the cost of each expert with tokens;
 - gloo loopback collectives: all-reduce and all-gather over 2 (and 4) ranks on 127.0.0.1 at
   sizes from 4 KiB to 16 MiB, fitted to the ring model t = steps x (alpha + chunk / beta):
-  alpha (latency) and beta (bandwidth) become the target's intra-island link.
+  alpha (latency) and beta (bandwidth) become the target's intra-island link; and how much of
+  a 4 MiB all-reduce runs beside a matmul of about its length when issued asynchronously
+  before it (the target's [collectives] overlap). Each rank uses its share of the cores.
 
 The TOML keeps the base target's structure (the cpu target: one device) and replaces its
 numbers with the measured ones, each with a comment saying what was measured and when.
@@ -39,6 +41,7 @@ class Measurements:
     custom_op_overhead_us: dict[str, float] = field(default_factory=dict)  # op -> us per call
     custom_op_slowdown: dict[str, float] = field(default_factory=dict)  # op -> measured work / roofline
     collectives: dict[str, dict] = field(default_factory=dict)  # "all_reduce 2" -> {alpha_us, beta_gbs, points}
+    comm_overlap: dict[str, float] = field(default_factory=dict)  # ranks -> share of a collective hidden
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,9 +200,12 @@ def measure_custom_op_slowdowns(target, overheads: dict[str, float]) -> dict[str
 
 
 def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) -> dict:
+    import os
+
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # each rank its share of the cores
     out = {"all_reduce": {}, "all_gather": {}}
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
@@ -209,7 +215,53 @@ def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) ->
                          ("all_gather", lambda: dist.all_gather_into_tensor(gathered, part))):
             dist.barrier()
             out[kind][nbytes] = _median_seconds(fn, repeat)
+    out["overlap"] = _overlap(repeat)
     return out
+
+
+def _overlap(repeat: int) -> dict:
+    """Times of a 4 MiB all-reduce alone, a matmul sized to take about as long alone, and the
+    all-reduce issued asynchronously, the matmul run, then the wait: the median of five rounds."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(1 << 20)
+
+    def reduce():
+        dist.all_reduce(x)
+
+    comm = _median_seconds(reduce, repeat)
+    n = 64
+    while True:  # the smallest power-of-two square matmul at least as long as the all-reduce
+        a = torch.randn(n, n)
+        compute = _median_seconds(lambda: a @ a, 3)
+        if compute >= comm or n >= 4096:
+            break
+        n *= 2
+    # every rank must run the same sizes: the largest any rank chose
+    size = torch.tensor([n])
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    a = torch.randn(int(size), int(size))
+    compute = _median_seconds(lambda: a @ a, repeat)
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        a @ a
+        work.wait()
+
+    rounds = []  # alternated, so that a slow spell of the machine hits all three alike
+    for _ in range(5):
+        dist.barrier()
+        rounds.append({"comm_s": _median_seconds(reduce, repeat, 1), "compute_s": _median_seconds(lambda: a @ a, repeat, 1),
+                       "both_s": _median_seconds(both, repeat, 1)})
+    return sorted(rounds, key=overlap_share)[len(rounds) // 2]  # the median round
+
+
+def overlap_share(t: dict) -> float:
+    """The share of the shorter of the two that ran beside the other: 1 if together they took
+    the longer one's time, 0 if they took the sum of both."""
+    hidden = t["comm_s"] + t["compute_s"] - t["both_s"]
+    return min(1.0, max(0.0, hidden / min(t["comm_s"], t["compute_s"])))
 
 
 def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, float]:
@@ -242,6 +294,8 @@ def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict
             alpha, beta = fit_ring(points, world, kind)
             out[f"{kind} {world}"] = {"alpha_us": alpha * 1e6, "beta_gbs": beta / 1e9,
                                       "points_us": {str(m): t * 1e6 for m, t in points.items()}}
+        # the slowest rank's times: it is the one the others wait for
+        out[f"overlap {world}"] = max((r["overlap"] for r in results), key=lambda t: t["both_s"])
     return out
 
 
@@ -266,7 +320,9 @@ def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Mea
     m.custom_op_slowdown = measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us)
     if ranks:
         progress(f"gloo collectives over {', '.join(map(str, ranks))} ranks ...")
-        m.collectives = measure_collectives(list(ranks), quick)
+        measured = measure_collectives(list(ranks), quick)
+        m.comm_overlap = {k.split()[1]: overlap_share(measured.pop(k)) for k in list(measured) if k.startswith("overlap")}
+        m.collectives = measured
     return m
 
 
@@ -331,7 +387,13 @@ def to_toml(m: Measurements, base: str = "cpu") -> str:
     else:
         lines += [f"intra_island = {{ bandwidth_gbs = {t.topology.intra_island.bandwidth / 1e9:.4g}, "
                   f"latency_us = {t.topology.intra_island.latency_s * 1e6:.3g} }}"]
-    lines += ["", "[collectives]", f'backend = "{t.collective_backend}"', ""]
+    lines += ["", "[collectives]", f'backend = "{t.collective_backend}"']
+    if m.comm_overlap:  # the fewest ranks', as for the link
+        world = min(m.comm_overlap, key=int)
+        lines += [f"# share of an all-reduce that ran beside a matmul of its length ({world} ranks; by rank count: "
+                  + ", ".join(f"{k}: {v:.2f}" for k, v in m.comm_overlap.items()) + ")",
+                  f"overlap = {m.comm_overlap[world]:.3g}"]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -343,4 +405,5 @@ def table(m: Measurements) -> str:
     rows += [f"metainfer::{k} work: {v:.2f}x its roofline" for k, v in m.custom_op_slowdown.items()]
     for k, v in m.collectives.items():
         rows.append(f"gloo {k} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
+    rows += [f"gloo all-reduce beside a matmul, {k} ranks: {v:.0%} of it hidden" for k, v in m.comm_overlap.items()]
     return "\n".join(rows)

@@ -115,6 +115,13 @@ class Timeline:
         self.comm_free = start + c.seconds
         self.comm_total += c.seconds
         self.comm_floor += best_seconds
+        host = (1 - self.target.comm_overlap) * c.seconds
+        if host > 0:  # the part that cannot run beside compute takes the compute stream too
+            begin = max(self.compute_free, start)
+            self.compute_free = begin + host
+            self.compute_total += host
+            self.intervals.append(Interval(f"{c.kind} (not overlapped)", "compute", begin, self.compute_free,
+                                           f"{1 - self.target.comm_overlap:.0%} of the collective's time"))
         self.intervals.append(Interval(f"{c.kind} {c.algorithm}", "comm", start, self.comm_free,
                                        f"{c.nbytes / 2**20:.2f} MiB over {c.ranks} ranks, "
                                        f"{c.bytes_inter / 2**20:.2f} MiB across islands"))

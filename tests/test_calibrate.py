@@ -29,7 +29,8 @@ def _measured():
                                                        "moe_experts_per_expert": 40.0},
         custom_op_slowdown={"rmsnorm": 3.0},
         collectives={"all_reduce 2": {"alpha_us": 120.0, "beta_gbs": 1.2, "points_us": {}},
-                     "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}}})
+                     "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}}},
+        comm_overlap={"2": 0.25, "4": 0.0})
 
 
 def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
@@ -46,6 +47,13 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     # the two-rank all-reduce fit is the link (the four ranks share the two ranks' cores)
     assert t.topology.intra_island.bandwidth == pytest.approx(1.2e9)
     assert t.topology.intra_island.latency_s == pytest.approx(120e-6)
+    assert t.comm_overlap == 0.25  # the two ranks', as for the link
+
+
+def test_overlap_share_by_hand():
+    # alone 4 ms and 10 ms; together 10 ms: all of the shorter hidden; 14 ms: none; 12 ms: half
+    for both, share in ((0.010, 1.0), (0.014, 0.0), (0.012, 0.5), (0.016, 0.0)):
+        assert calibrate.overlap_share({"comm_s": 0.004, "compute_s": 0.010, "both_s": both}) == pytest.approx(share)
 
 
 def test_custom_ops_pay_their_dispatch_overhead(tmp_path):

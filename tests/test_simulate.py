@@ -75,6 +75,26 @@ def test_independent_compute_hides_communication_and_algorithms_change_it():
     assert hier.comm_seconds < serial.comm_seconds  # fewer bytes over the 10 GB/s boundary
 
 
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 1.0])
+def test_communication_that_does_not_overlap_takes_the_compute_stream(overlap):
+    """By hand: mm, all-reduce, (independent mm), wait, mm, add. With a share `overlap` of the
+    all-reduce able to run beside compute, the rest of it occupies the compute stream from its
+    issue, so the independent matmul hides at most that share."""
+    import dataclasses
+
+    t = dataclasses.replace(targets.get("pcie8"), comm_overlap=overlap)
+    gm = layer(True)
+    mm = cost.op_cost(next(n for n in gm.graph.nodes if n.target is aten.mm.default), t).seconds
+    add = cost.op_cost(next(n for n in gm.graph.nodes if n.target is aten.add.Tensor), t).seconds
+    ar = cost.collective_cost("all_reduce", 4096 * 4096 * 2, t, "ring").seconds
+    s = simulate(gm, t)
+    # the collective ends at mm + ar; the compute stream is busy with mm, the host share of the
+    # collective, then the independent mm; the wait then holds it until the collective ends
+    busy = mm + (1 - overlap) * ar + mm
+    assert s.step_seconds == pytest.approx(max(busy, mm + ar) + mm + add)
+    assert s.compute_seconds == pytest.approx(3 * mm + add + (1 - overlap) * ar)
+
+
 def test_trace_is_chrome_json(tmp_path):
     s = simulate(layer(True), targets.get("pcie8"))
     s.save_trace(tmp_path / "trace.json")

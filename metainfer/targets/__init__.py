@@ -82,6 +82,10 @@ class Target:
     pass_options: Mapping[str, Any] = field(default_factory=dict)  # [passes]: defaults for pass options
     source: str = ""  # where it was loaded from
     collective_overrides: Mapping[str, str] = field(default_factory=dict)  # [collectives.settings]
+    # [collectives] overlap: the share of a collective's time that can run beside compute (1: all
+    # of it, a GPU's copy engines / NCCL's own SMs; 0: none, CPU ranks whose collectives take
+    # the cores the compute needs), as `metainfer calibrate` measures it
+    comm_overlap: float = 1.0
 
     def collective_settings(self) -> dict[str, tuple[str, str]]:
         """Environment settings for the collective library, computed from the topology, with
@@ -188,6 +192,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     )
     coll = r.table("collectives", optional=single)
     backend = coll.choice("backend", ("nccl", "gloo"), default=_DEFAULT_BACKEND[kind] if single else None)
+    overlap = coll._number("overlap", lambda v: 0 <= v <= 1, "in [0, 1]") if coll.get("overlap") is not None else 1.0
     overrides = coll.get("settings") or {}
     if not isinstance(overrides, Mapping) or not all(isinstance(v, (str, int)) for v in overrides.values()):
         errors.append(f"field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
@@ -206,7 +211,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     return Target(name=name, description=r.str("description", default=name), num_devices=num_devices,
                   device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
-                  collective_overrides={k: str(v) for k, v in overrides.items()})
+                  collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap)
 
 
 def _slowdowns(dev: "_Reader", errors: list[str]) -> dict:

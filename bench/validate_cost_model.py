@@ -15,9 +15,15 @@ Without --target, the machine is calibrated first (`metainfer calibrate`, ranks 
 its TOML used. Then the pass decisions that can be measured on one CPU device (fuse_rmsnorm,
 fuse_swiglu, fuse_rope, fuse_attention in Llama's prefill and decode graphs; mla_decode's
 absorbed form in DeepSeek-V3's): what the cost model predicts for the pass (its record's
-predicted step before and after, with the cost gates off so every pass runs; mla_decode: its own
-rule fired) against the measured graph time with the pass and with it disabled; a measured
-difference under 5% agrees with either choice. The last line is JSON: {"graphs": n,
+predicted step before and after, with the cost gates off so every pass runs; mla_decode: whether
+it absorbed, which it decides by the simulator) against the measured graph time with the pass
+(forced where it declined) and with it disabled; a measured difference under 5% agrees with
+either choice.
+
+Then the same on gloo ranks of this machine (bench/validate_ranks.py): tensor-parallel prefill
+steps of Llama over 2 and 4 ranks with the communication passes on and off, and the
+communication decisions (sequence_parallel, two_batch_overlap, pipeline_collectives' k, the
+overlap order) against their measured alternatives. The last line is JSON: {"graphs": n,
 "median_abs_error": x, "decisions": n, "decisions_agree": m}.
 """
 
@@ -132,7 +138,7 @@ def _phase_time(report, phase: str) -> float:
 
 def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list[dict]:
     """For each pass decision: what the cost model predicts (the pass's record in a run with the
-    cost gates off: predicted step before vs after it; for mla_decode, whether its own rule fired)
+    cost gates off: predicted step before vs after it; mla_decode decides by the simulator itself)
     and what the measurement favours (the run with the pass vs the same run with it disabled)."""
     rows = []
     for name in models:
@@ -148,11 +154,12 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
             run, ids = inputs[case]
             t0 = time.perf_counter()
 
-            def measured(disable=()):
+            def measured(disable=(), force=None):
                 torch._dynamo.reset()
                 # every pass named (the pointwise fusions are off by default on CPU), gates off
                 opt = metainfer.optimize(model, target, passes=list(DEFAULT_ORDER), disable=disable,
-                                         pass_options={"cost_gates": False}, cache_dir=cache_dir)
+                                         pass_options={"cost_gates": False, **({force: True} if force else {})},
+                                         cache_dir=cache_dir)
                 opt._backend.time_calls = True
                 run(opt, ids)
                 return opt.report
@@ -161,14 +168,18 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
             for _, _, pass_name, phase in [d for d in wanted if d[1] == case]:
                 recs = [r for s in base.sections if s.phase == phase for r in s.records if r.name == pass_name]
                 fired = [r for r in recs if r.matches]
-                if not fired:
-                    continue  # nothing to decide in this graph
-                if pass_name == "mla_decode":
-                    pays = True  # fired: its rule chose the absorbed form
+                if pass_name == "mla_decode":  # it decides per site by the simulator: absorbed or kept
+                    if not recs or not (fired or any("kept decompressed" in n for r in recs for n in r.near_misses)):
+                        continue  # nothing to decide in this graph
+                    pays = bool(fired)
+                    with_it = base if pays else measured(force="mla_decode")
                 else:
+                    if not fired:
+                        continue  # nothing to decide in this graph
                     pays = all(r.predicted_after_s <= r.predicted_before_s for r in fired)
+                    with_it = base
                 without = measured(disable=(pass_name,))
-                on, off = _phase_time(base, phase), _phase_time(without, phase)
+                on, off = _phase_time(with_it, phase), _phase_time(without, phase)
                 tie = abs(on - off) / min(on, off) < TIE
                 rows.append({"model": name, "case": case, "pass": pass_name, "phase": phase,
                              "model_says": "apply" if pays else "decline",
@@ -203,23 +214,40 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print every row as JSON before the summary line")
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=tuple(MODELS))
     ap.add_argument("--decisions-only", action="store_true", help="skip the per-graph rows")
+    ap.add_argument("--overlap", nargs="*", default=[], metavar="RANKS=SHARE",
+                    help="with --target: calibrate's measured overlap per job size (else measured again)")
+    ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4],
+                    help="gloo job sizes for the multi-rank steps (none: skip them; decisions at the first)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     if a.target:
-        target = targets.get(a.target)
+        target, source = targets.get(a.target), a.target
+        import validate_ranks
+
+        validate_ranks.OVERLAP.update({int(k): float(v) for k, v in (x.split("=") for x in a.overlap)})
     else:
         from metainfer import calibrate
 
         path = os.path.join(tempfile.mkdtemp(), "cpu-calibrated.toml")
-        m = calibrate.measure([], progress=lambda s: print(s, file=sys.stderr))
+        m = calibrate.measure(sorted(set(a.ranks)), progress=lambda s: print(s, file=sys.stderr))
+        import validate_ranks
+
+        validate_ranks.OVERLAP.update({int(k): v for k, v in m.comm_overlap.items()})
         with open(path, "w") as f:
             f.write(calibrate.to_toml(m))
         print(calibrate.table(m))
-        target = targets.load(path)
+        target, source = targets.load(path), path
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as cache:
         rows = [] if a.decisions_only else graphs(target, cache, a.models, progress=say)
         chosen = decisions(target, cache, a.models, progress=say)
+        print(table(rows), decision_table(chosen), sep="\n\n", flush=True)  # before the multi-rank part
+        if a.ranks:
+            import validate_ranks
+
+            rank_rows, default = validate_ranks.steps(source, cache, a.ranks, progress=say)
+            rows += rank_rows
+            chosen += validate_ranks.decisions(source, cache, default, a.ranks[:1], TIE, progress=say)
     print(f"\ntarget {target.name}: peak fp32 {target.device.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, "
           f"{target.device.memory_bandwidth / 1e9:.1f} GB/s, {target.device.launch_overhead_s * 1e6:.2f} us per kernel")
     print(table(rows))

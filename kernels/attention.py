@@ -260,16 +260,25 @@ def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zer
 _CPU_CHUNK_BYTES = 64 * 2**20
 
 
+def cpu_fused_path(head_dim, v_head_dim, mask_dtype, dtype, causal: bool, causal_offset) -> bool:
+    """Whether `cpu_forward` runs torch's fused SDPA kernel for these inputs (else the chunked
+    path, which writes the score matrix); the cost model prices the two differently."""
+    return (head_dim == v_head_dim  # the CPU flash kernel needs Dv == D, else torch materialises
+            and (mask_dtype is None or mask_dtype in (torch.bool, dtype))
+            and not (causal and (mask_dtype is not None or causal_offset != 0)))
+
+
+def chunked_score_passes(has_mask: bool, causal: bool) -> int:
+    """Reads and writes of the fp32 score matrix by `_chunked`: the product written, scaled,
+    masked (and causally masked), softmax, read by p @ v."""
+    return 1 + 2 + 2 * has_mask + 2 * causal + 2 + 1
+
+
 def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int,
                 zero_empty_rows: bool = False) -> torch.Tensor:
     """CPU path: torch's fused flash kernel where it computes exactly this, else chunked."""
     check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
-    sdpa_ok = (
-        q.shape[-1] == v.shape[-1]  # the CPU flash kernel needs Dv == D, else torch materialises
-        and (mask is None or mask.dtype in (torch.bool, q.dtype))
-        and not (causal and (mask is not None or causal_offset != 0))
-    )
-    if sdpa_ok:
+    if cpu_fused_path(q.shape[-1], v.shape[-1], None if mask is None else mask.dtype, q.dtype, causal, causal_offset):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1]).contiguous()

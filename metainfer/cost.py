@@ -322,19 +322,39 @@ def custom_op_overhead(name: str, target: Target, experts: float = 1.0) -> float
 
 
 def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, custom_op: str | None = None,
-                experts: float = 1.0) -> OpCost:
+                experts: float = 1.0, slowdown: bool = True) -> OpCost:
     """One kernel of `flops` work moving `nbytes` on one device of `target`: the roofline plus
     a launch; for metainfer's custom op `custom_op`, its calibrated call overhead instead of
     the launch and its work scaled by its calibrated slowdown over the roofline (where the
     target has them). The one formula for a kernel, used for graph nodes (`op_cost`), fused
-    groups and the planner's modelled layers alike."""
+    groups and the planner's modelled layers alike. `slowdown=False`: the work is already
+    priced as it runs (the calibrated slowdown was measured on another path of the op)."""
     custom = custom_op_overhead(custom_op, target, experts) if custom_op else None
     c = roofline(flops, nbytes, dtype_key, target, custom)
-    slowdown = target.device.custom_op_slowdown.get(custom_op, 1.0) if custom_op else 1.0
-    if slowdown != 1.0:  # calibrated: this op's work runs `slowdown` times its roofline here
+    factor = target.device.custom_op_slowdown.get(custom_op, 1.0) if custom_op and slowdown else 1.0
+    if factor != 1.0:  # calibrated: this op's work runs `factor` times its roofline here
         overhead = c.seconds - max(flops / target.device.peak_flops[dtype_key], nbytes / target.device.memory_bandwidth)
-        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * slowdown + overhead, c.bound)
+        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * factor + overhead, c.bound)
     return c
+
+
+def _cpu_attention_scores(node: torch.fx.Node) -> "tuple[float, float] | None":
+    """For metainfer::attention on a CPU device: None where its CPU path is torch's fused SDPA
+    kernel; else (FLOPs, extra bytes) of the chunked path, which computes every score (no causal
+    skip) into an fp32 matrix that several eager ops read and write."""
+    from metainfer.kernels.attention import chunked_score_passes, cpu_fused_path
+
+    q, k, v, mask = (_val(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
+    causal, offset = node.args[5], node.args[6]
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not isinstance(causal, bool):
+        return None
+    mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else None
+    if cpu_fused_path(q.shape[-1], v.shape[-1], mask_dtype, q.dtype, causal, offset):
+        return None
+    B, H, Sq, D = (size_hint(s) for s in q.shape)
+    Sk, Dv = size_hint(k.shape[2]), size_hint(v.shape[-1])
+    scores = B * H * Sq * Sk
+    return 2 * scores * (D + Dv), chunked_score_passes(mask_dtype is not None, causal) * scores * 4
 
 
 def op_name(node: torch.fx.Node) -> tuple[str, str]:
@@ -373,11 +393,16 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
             flops = sum(numel(t) for t in out)
         else:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
+    custom_op, as_calibrated = (name if ns == "metainfer" else None), True
+    if ns == "metainfer" and name == "attention" and target.device.kind == "cpu":
+        extra = _cpu_attention_scores(node)
+        if extra is not None:  # the chunked CPU path: the whole score matrix, written and re-read
+            flops, moved, as_calibrated = extra[0], moved + extra[1], False
     experts = 1.0
     if ns == "metainfer" and name == "moe_experts":  # the experts that can receive a token
         ids, w_gate = _val(node.args[1]), _val(node.args[3])
         experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
-    c = kernel_cost(flops, moved, key, target, name if ns == "metainfer" else None, experts)
+    c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 

@@ -171,6 +171,31 @@ def test_fused_attention_is_priced_by_its_flops():
     assert c.bytes == 4 * B * H * S * D * 2  # q, k, v read, out written: never the S x S scores
 
 
+def test_attention_on_a_cpu_is_priced_by_the_path_it_takes():
+    """On a CPU device metainfer.attention runs torch's fused SDPA kernel when it computes
+    exactly that (Dv == D, no mask with causal), else a chunked path that writes the fp32 score
+    matrix and reads it back (scale, causal mask, softmax, p @ v): by hand, 8 passes over
+    B H Sq Sk floats, and every score computed (no causal half)."""
+    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+    t = targets.get("cpu")  # 126 GFLOP/s fp32, 20.5 GB/s, 5 us a kernel
+    B, H, S = 1, 4, 256
+    for d, dv, chunked in ((64, 64, False), (48, 32, True)):
+        q, k, v = torch.randn(B, H, S, d), torch.randn(B, H, S, d), torch.randn(B, H, S, dv)
+        gm, _ = capture_graph(lambda q, k, v: torch.ops.metainfer.attention(q, k, v, None, 0.125, True, 0, False),
+                              q, k, v)
+        (att,) = _nodes(gm, "metainfer.attention")
+        c = cost.op_cost(att, t)
+        io = 4 * (B * H * S * (2 * d + dv) + B * H * S * dv)
+        scores = B * H * S * S
+        if chunked:
+            flops, nbytes = 2 * scores * (d + dv), io + 8 * scores * 4
+        else:
+            flops, nbytes = 2 * scores * (d + dv) / 2, io
+        assert (c.flops, c.bytes) == (flops, nbytes)
+        assert c.seconds == pytest.approx(max(flops / 126e9, nbytes / 20.5e9) + 5e-6)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(16, 64), st.integers(16, 64), st.integers(16, 64))  # small dims decompose to mul+sum
 def test_bigger_matmul_never_cheaper(m, n, k):

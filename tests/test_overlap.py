@@ -253,7 +253,7 @@ def test_sequence_parallel_decides_with_the_later_passes_in_view():
     ids = torch.zeros(2, 4096, dtype=torch.long, device="meta")
 
     def analysed(**kw):
-        model = models.build("llama3-70b", device="meta", n_layers=2, dtype=torch.bfloat16)
+        model = models.build("llama3-70b", device="meta", n_layers=1, dtype=torch.bfloat16)
         return metainfer.analyze(model, "pcie8", example_inputs=(ids,), ranks=8, tensor_parallel=4, **kw)
 
     report = analysed()
@@ -264,9 +264,9 @@ def test_sequence_parallel_decides_with_the_later_passes_in_view():
     forced = analysed(pass_options={"sequence_parallel": True}).sections[0].prediction["after_s"]
     disabled = analysed(disable=["sequence_parallel"]).sections[0].prediction["after_s"]
     assert (with_it, without) == (pytest.approx(forced * 1e6, abs=1), pytest.approx(disabled * 1e6, abs=1))
-    assert sp.matches == (4 if forced < disabled else 0), said
+    assert sp.matches == (2 if forced < disabled else 0), said
     alone = analysed(passes=["fuse_attention", "sequence_parallel"])
-    assert alone.record("sequence_parallel").matches == 4, "with nothing after it, it takes the work saved"
+    assert alone.record("sequence_parallel").matches == 2, "with nothing after it, it takes the work saved"
 
 
 def test_two_batch_overlap_pays_for_prefill_not_decode():

@@ -54,7 +54,7 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
     dev = t.device
     speed = min(1.0, threads / calibrated_threads) / sliced
     dev = dataclasses.replace(dev, peak_flops={k: v * speed for k, v in dev.peak_flops.items()},
-                              memory_bandwidth=dev.memory_bandwidth * min(1.0, threads / calibrated_threads) / sliced,
+                              memory_bandwidth=dev.memory_bandwidth * speed,
                               launch_overhead_s=dev.launch_overhead_s * sliced,
                               custom_op_overhead_s=None if dev.custom_op_overhead_s is None else
                               dev.custom_op_overhead_s * sliced,

@@ -3,8 +3,8 @@
 Communication passes interact: a rewrite that pays on its own can take away what a later
 pass would have done better (sequence parallelism's reduce-scatters leave pipeline_collectives
 no all-reduce to chunk and give the overlap scheduler less to hide). A pass that changes the
-collectives can ask for the predicted step of a graph after the later communication passes
-of this pipeline have run on a copy of it, and compare its alternatives that way.
+collectives makes its rewrite on a copy (`trial`) and compares `predicted_step` of both: the
+step after the later communication passes of this pipeline have run on a copy.
 """
 
 from __future__ import annotations
@@ -29,35 +29,32 @@ def in_lookahead(ctx: PassContext) -> bool:
     return bool(ctx.options.get(LOOKAHEAD_OPTION))
 
 
-def predicted_after_later(graph: torch.fx.Graph, ctx: PassContext) -> float:
-    """The simulator's step for a copy of `graph` once this pipeline's later communication
-    passes have run on it."""
+def later_passes(ctx: PassContext) -> list:
+    """This pipeline's communication passes after the running one."""
+    return [p for p in ctx.later if p.name in COMMUNICATION_PASSES]
+
+
+def predicted_step(graph: torch.fx.Graph, ctx: PassContext) -> float:
+    """The cost model's step for `graph` as this pipeline will leave it: the later
+    communication passes run on a copy, each deciding as it would in the pipeline (with its
+    own look-ahead), then the simulator; so the figure is the one the pipeline ends with. The
+    one estimate every communication pass decides by."""
     from metainfer.simulate import simulate
 
     from .manager import PassManager
 
-    later = [p for p in ctx.later if p.name in COMMUNICATION_PASSES]
-    g = copy_graph(graph)
+    later = later_passes(ctx)
     if later:
+        graph = copy_graph(graph)
         PassManager(later, ctx.target, explicit=True, options={**ctx.options, LOOKAHEAD_OPTION: True},
-                    keep_graphs=False, simulate=False)(g)
-    return simulate(g, ctx.target).step_seconds
-
-
-def wants_lookahead(ctx: PassContext) -> bool:
-    return any(p.name in COMMUNICATION_PASSES for p in ctx.later)
-
-
-def predicted_step(graph: torch.fx.Graph, ctx: PassContext) -> float:
-    """The cost model's step for `graph` as this pipeline will leave it: after the later
-    communication passes have run on a copy, each deciding as it would in the pipeline (with
-    its own look-ahead), so the figure is the one the pipeline ends with. The one estimate
-    every communication pass decides by."""
-    if wants_lookahead(ctx):
-        return predicted_after_later(graph, ctx)
-    from metainfer.simulate import simulate
-
+                    keep_graphs=False, simulate=False)(graph)
     return simulate(graph, ctx.target).step_seconds
+
+
+def after_later(ctx: PassContext) -> str:
+    """For a decision's figures: which later passes the predicted steps include."""
+    names = [p.name for p in later_passes(ctx)]
+    return f" (after {', '.join(names)})" if names else ""
 
 
 def trial(graph: torch.fx.Graph, rewrite) -> torch.fx.Graph:

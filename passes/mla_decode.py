@@ -64,7 +64,7 @@ class MLADecode(Pass):
             key = _signature(node, site)
             if key not in decided:
                 decided[key] = ((True, "forced (pass option mla_decode)") if ctx.options.get("mla_decode")
-                                else _pays(graph, node, ctx.target))
+                                else _pays(graph, node, site, ctx.target))
             pays, why = decided[key]
             if not pays:
                 res.near_misses.append(f"{location(node)}: MLA kept decompressed: {why}")
@@ -198,7 +198,7 @@ def _signature(att: Node, site) -> tuple:
             str(shape(att)), site["H"], site["R"], site["nope"], site["dv"], site["q_swapped"])
 
 
-def _pays(graph, att: Node, target) -> tuple[bool, str]:
+def _pays(graph, att: Node, site, target) -> tuple[bool, str]:
     """Whether the simulator predicts the graph faster with this site absorbed (rewritten on
     a copy), and the figures."""
     from metainfer.simulate import simulate
@@ -211,8 +211,8 @@ def _pays(graph, att: Node, target) -> tuple[bool, str]:
 
     before = simulate(graph, target).step_seconds
     after = simulate(trial(graph, absorb), target).step_seconds
-    ls = shape(_match(att)["latent"])
-    figures = (f"{ls[-2]} cached tokens, latent {ls[-1]}: predicted step {after * 1e6:.1f} us absorbed, "
+    tokens, rank = shape(site["latent"])[-2:]
+    figures = (f"{tokens} cached tokens, latent {rank}: predicted step {after * 1e6:.1f} us absorbed, "
                f"{before * 1e6:.1f} us decompressed")
     return after < before, figures
 

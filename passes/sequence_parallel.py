@@ -168,13 +168,10 @@ class SequenceParallel(Pass):
             return res
         # decided by the one cost model: the whole graph priced with and without the rewrite,
         # each as this pipeline's later communication passes would leave it
-        trial = lookahead.copy_graph(graph)
-        _rewrite(trial, _find(trial, PassResult(modified=False)))
-        trial.eliminate_dead_code()
+        trial = lookahead.trial(graph, lambda g, _: _rewrite(g, _find(g, PassResult(modified=False))))
         with_sp, without = lookahead.predicted_step(trial, ctx), lookahead.predicted_step(graph, ctx)
-        later = [p.name for p in ctx.later if p.name in lookahead.COMMUNICATION_PASSES]
         figures = (f"predicted step {with_sp * 1e6:.0f} us with it, {without * 1e6:.0f} us without"
-                   + (f" (after {', '.join(later)})" if later and not lookahead.in_lookahead(ctx) else ""))
+                   + lookahead.after_later(ctx))
         forced = bool(ctx.options.get("sequence_parallel"))
         if not (with_sp < without * (1 - 1e-6) or forced):  # a tie is not a reason to rewrite
             res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: {figures}")

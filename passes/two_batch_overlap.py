@@ -330,7 +330,6 @@ def _halves_match(src: list, bx: int, out: list, j: int) -> bool:
 
 def split(graph: torch.fx.Graph, trace: BatchTrace) -> int:
     """Rewrite `graph` into two micro-batch chains; returns how many nodes were duplicated."""
-    half = trace.batch // 2
     copies: dict[Node, tuple] = {}
     cut: dict[tuple, Node] = {}
     nodes = list(graph.nodes)
@@ -428,9 +427,8 @@ class TwoBatchOverlap(Pass):
             res.near_misses.append(f"two_batch_overlap: batch not split: {e}")
             return res
         before, after = lookahead.predicted_step(graph, ctx), lookahead.predicted_step(trial, ctx)
-        later = [p.name for p in ctx.later if p.name in lookahead.COMMUNICATION_PASSES]
-        figures = (f"predicted step {before * 1e6:.0f} us as one batch, {after * 1e6:.0f} us as two micro-batches "
-                   f"(after {', '.join(later) if later and not lookahead.in_lookahead(ctx) else 'no later pass'})")
+        figures = (f"predicted step {before * 1e6:.0f} us as one batch, {after * 1e6:.0f} us as two micro-batches"
+                   + lookahead.after_later(ctx))
         forced = bool(ctx.options.get("two_batch_overlap"))
         if not (after < before * (1 - 1e-9) or forced):
             res.near_misses.append(f"two_batch_overlap: does not pay: {figures}")

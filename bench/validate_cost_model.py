@@ -14,11 +14,13 @@ model wrapper are outside), after warm-up calls. Error = predicted / measured - 
 Without --target, the machine is calibrated first (`metainfer calibrate`, ranks skipped) and
 its TOML used. Then the pass decisions that can be measured on one CPU device (fuse_rmsnorm,
 fuse_swiglu, fuse_rope, fuse_attention in Llama's prefill and decode graphs; mla_decode's
-absorbed form in DeepSeek-V3's): what the cost model predicts for the pass (its record's
-predicted step before and after, with the cost gates off so every pass runs; mla_decode: whether
-it absorbed, which it decides by the simulator) against the measured graph time with the pass
-(forced where it declined) and with it disabled; a measured difference under 5% agrees with
-either choice.
+absorbed form in DeepSeek-V3's; mla_prefill and fuse_moe in DeepSeek-V3's prefill): what the
+cost model predicts for the pass (its record's predicted step before and after, with the cost
+gates off so every pass runs; mla_decode: whether it absorbed, which it decides by the
+simulator) against the measured graph time with the pass (forced where it declined) and with
+it disabled (with fuse_attention for mla_prefill, which would fuse the same attention), each
+twice in the order with, without, without, with (the means cancel a drift of the machine); a
+measured difference under 5% agrees with either choice.
 
 Then the same on gloo ranks of this machine (bench/validate_ranks.py): tensor-parallel prefill
 steps of Llama over 2 and 4 ranks with the communication passes on and off, and the
@@ -81,6 +83,13 @@ def _run_generate(opt, ids, new: int = 16) -> None:
         opt.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
+def _warm(call_seconds: list[float]) -> list[float]:
+    """The warm calls of a graph: the later two thirds, never its first; none for a graph
+    called fewer than three times (generate's first decode step runs once: never warm)."""
+    calls = call_seconds[max(1, len(call_seconds) // 3):]
+    return calls if len(calls) >= 2 else []
+
+
 def _paired_rows(on, off) -> list[dict]:
     """Rows for the graphs of a run with the passes and of the same run without: the second's
     graphs are the first's before any pass, so their prediction is the first's `before_s`."""
@@ -88,7 +97,7 @@ def _paired_rows(on, off) -> list[dict]:
     for label, report, key in (("passes", on, "after_s"), ("no passes", off, "before_s")):
         for s, twin in zip(report.sections, on.sections):
             p = twin.prediction
-            calls = s.call_seconds[len(s.call_seconds) // 3:]  # the later two thirds: warm
+            calls = _warm(s.call_seconds)
             if p is None or not calls or s.phase != twin.phase:
                 continue
             measured = statistics.median(calls)
@@ -127,13 +136,18 @@ DECISIONS = [("llama", "prefill 1x512", p, "forward") for p in ("fuse_rmsnorm", 
 DECISIONS += [("llama", "generate 2x64 +16", p, "decode") for p in ("fuse_rmsnorm", "fuse_swiglu", "fuse_rope",
                                                                      "fuse_attention")]
 DECISIONS += [("deepseek-v3", "generate 2x64 +16", "mla_decode", "decode"),
-              ("deepseek-v3", "prefill 1x512", "mla_decode", "forward")]
+              ("deepseek-v3", "prefill 1x512", "mla_decode", "forward"),
+              ("deepseek-v3", "prefill 1x512", "mla_prefill", "forward"),
+              ("deepseek-v3", "prefill 1x512", "fuse_moe", "forward")]
 TIE = 0.05  # measured within 5%: either choice is right
+# the alternative to a pass is the graph without it and without a later pass that would do the
+# same rewrite in its place (fuse_attention fuses MLA's attention where mla_prefill does not)
+ALTERNATIVE = {"mla_prefill": ("mla_prefill", "fuse_attention")}
 
 
 def _phase_time(report, phase: str) -> float:
-    return sum(statistics.median(s.call_seconds[len(s.call_seconds) // 3:]) for s in report.sections
-               if s.phase == phase and s.call_seconds)
+    return sum(statistics.median(_warm(s.call_seconds)) for s in report.sections
+               if s.phase == phase and _warm(s.call_seconds))
 
 
 def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list[dict]:
@@ -172,14 +186,18 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
                     if not recs or not (fired or any("kept decompressed" in n for r in recs for n in r.near_misses)):
                         continue  # nothing to decide in this graph
                     pays = bool(fired)
-                    with_it = base if pays else measured(force="mla_decode")
+                    force = None if pays else "mla_decode"
                 else:
                     if not fired:
                         continue  # nothing to decide in this graph
                     pays = all(r.predicted_after_s <= r.predicted_before_s for r in fired)
-                    with_it = base
-                without = measured(disable=(pass_name,))
-                on, off = _phase_time(with_it, phase), _phase_time(without, phase)
+                    force = None
+                disable = ALTERNATIVE.get(pass_name, (pass_name,))
+                # with, without, without, with: the mean of each pair cancels a drift of the machine
+                ons = [_phase_time(base if force is None else measured(force=force), phase)]
+                offs = [_phase_time(measured(disable=disable), phase) for _ in range(2)]
+                ons.append(_phase_time(measured(force=force), phase))
+                on, off = statistics.mean(ons), statistics.mean(offs)
                 tie = abs(on - off) / min(on, off) < TIE
                 rows.append({"model": name, "case": case, "pass": pass_name, "phase": phase,
                              "model_says": "apply" if pays else "decline",

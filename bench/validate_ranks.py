@@ -41,7 +41,7 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
     """The calibrated target as `world` devices of one island (the gloo link `metainfer
     calibrate --ranks` fitted), each rank's device its share of the cores:
     cores // world threads (at least one), and time sliced by world x threads / cores when the
-    ranks outnumber the cores. Collective costs were measured with the ranks sharing the cores
+    ranks outnumber the cores; the ranks share the cache level too. Collective costs were measured with the ranks sharing the cores
     already (calibrate's gloo fit), so the links are left as measured; `overlap` is the share of
     a collective that runs beside compute with `world` ranks (calibrate's measurement)."""
     from metainfer import targets
@@ -55,6 +55,7 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
     speed = min(1.0, threads / calibrated_threads) / sliced
     dev = dataclasses.replace(dev, peak_flops={k: v * speed for k, v in dev.peak_flops.items()},
                               memory_bandwidth=dev.memory_bandwidth * speed,
+                              cache_bandwidth=dev.cache_bandwidth * speed, cache_bytes=dev.cache_bytes / world,
                               launch_overhead_s=dev.launch_overhead_s * sliced,
                               custom_op_overhead_s=None if dev.custom_op_overhead_s is None else
                               dev.custom_op_overhead_s * sliced,

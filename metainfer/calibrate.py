@@ -7,13 +7,24 @@ What is measured (each the median of repeated timings after a warm-up):
   uses), a prefill-shaped one and a decode-shaped one (reported: how far below the peak
   skinny GEMMs run), in float32 and bfloat16;
 - memory bandwidth: a large copy, bytes read + written per second;
-- per-kernel overhead: the time per kernel of a compiled graph of many tiny kernels that
-  cannot fuse (Inductor's extern matmul calls on 16 x 16 tensors), the cost one more kernel adds;
+- a cache level: decode-shaped matmuls (2 rows) streaming sets of weights from 8 MiB to
+  512 MiB; where small sets stream clearly faster than the largest, the level holds the
+  largest set still streaming at least halfway between the two, at the median rate of the
+  sets it holds (a graph whose whole footprint fits is priced at that bandwidth);
+- how much of a kernel's memory time hides under its arithmetic: prefill-shaped matmuls
+  (128 rows) over a 512 MiB set of weights, against their compute and memory times on the
+  figures above (1: the roofline's max; 0: the two add, as when a CPU GEMM packs its weight
+  before computing with it);
+- per-kernel overhead: the time per kernel of a compiled stack of tiny layers shaped as a
+  model's (a linear, a norm-like chain over a view, parameters as graph inputs): what the
+  compiled graph's wrapper spends on each kernel it calls;
 - per-call overhead of each metainfer custom op (Python dispatch, checks, the CPU path's fixed
   work) on tiny inputs, and for moe_experts the cost of each expert with tokens;
-- gloo loopback collectives: all-reduce and all-gather over 2 (and 4) ranks on 127.0.0.1 at
-  sizes from 4 KiB to 16 MiB, fitted to the ring model t = steps x (alpha + chunk / beta):
-  alpha (latency) and beta (bandwidth) become the target's intra-island link; and how much of
+- gloo loopback collectives: all-reduce, all-gather and reduce-scatter over 2 (and 4) ranks on
+  127.0.0.1 at sizes from 4 KiB to 16 MiB, each fitted to its ring model t = steps x (alpha +
+  chunk / beta): the all-reduce's alpha (latency) and beta (bandwidth) become the target's
+  intra-island link, the others' fits its [collectives.links] (gloo's reduce-scatter is no
+  cheaper than its all-reduce, which the ring model would price at half); and how much of
   a 4 MiB all-reduce runs beside a matmul of about its length when issued asynchronously
   before it (the target's [collectives] overlap). Each rank uses its share of the cores.
 
@@ -37,6 +48,10 @@ class Measurements:
     torch_threads: int
     matmul_gflops: dict[str, float] = field(default_factory=dict)  # "fp32 large" -> GFLOP/s
     copy_gbs: float = 0.0
+    stream_gbs: dict[str, float] = field(default_factory=dict)  # weight set MiB -> GB/s a decode matmul streams it
+    cache_mib: float = 0.0  # 0: no cache level found
+    cache_gbs: float = 0.0
+    memory_overlap: float = 1.0  # share of a kernel's memory time hidden under its arithmetic
     kernel_overhead_us: float = 0.0
     custom_op_overhead_us: dict[str, float] = field(default_factory=dict)  # op -> us per call
     custom_op_slowdown: dict[str, float] = field(default_factory=dict)  # op -> measured work / roofline
@@ -92,21 +107,103 @@ def measure_copy(quick: bool = False) -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def measure_kernel_overhead(kernels: int = 64, size: int = 16) -> float:
-    """Microseconds per kernel of an Inductor-compiled chain of `kernels` 16 x 16 matmuls
-    (extern calls that never fuse; their 8 KFLOP are noise). Smaller ones would not measure
-    it: Inductor turns a 1 x 1 matmul into a pointwise multiply and fuses the chain."""
+CACHE_SWEEP_MIB = (8, 16, 32, 64, 96, 128, 192, 256, 512)
+
+
+def measure_weight_streaming(quick: bool = False) -> dict[int, float]:
+    """GB/s at which decode-shaped matmuls (2 rows x 512) read each of a set of 512 x 1024
+    fp32 weights, by the set's total MiB: how fast memory-bound work runs when the program
+    touches that many bytes per call."""
     import torch
 
-    def chain(x, w):
-        for _ in range(kernels):
-            x = x @ w
-        return x
+    x = torch.full((2, 512), 0.5)
 
-    compiled = torch.compile(chain, backend="inductor", dynamic=False)
-    x, w = torch.ones(size, size) / size, torch.ones(size, size) / size
-    seconds = _median_seconds(lambda: compiled(x, w), 200, warmup=3)
-    return seconds / kernels * 1e6
+    def stream(weights):
+        for w in weights:
+            torch.mm(x, w)
+
+    out = {}
+    for mib in ((16, 64, 128, 512) if quick else CACHE_SWEEP_MIB):
+        weights = [torch.full((512, 1024), 0.5) for _ in range(mib // 2)]
+        out[mib] = mib * 2**20 / _median_seconds(lambda: stream(weights), 5 if quick else 10) / 1e9  # noqa: B023
+    return out
+
+
+def cache_level(stream_gbs: dict[int, float]) -> tuple[float, float]:
+    """(MiB, GB/s) of the cache level a streaming sweep shows, or (0, 0) where no set streams
+    1.3x as fast as the largest (no level worth modelling). The level holds the largest set
+    still streaming at least halfway between the fastest rate and the largest set's; its
+    bandwidth is the median rate of the sets it holds (the smallest pay more per call)."""
+    sizes = sorted(stream_gbs)
+    near, far = max(stream_gbs.values()), stream_gbs[sizes[-1]]
+    if near < 1.3 * far:
+        return 0.0, 0.0
+    fits = [s for s in sizes if stream_gbs[s] >= (near + far) / 2]
+    return float(max(fits)), statistics.median(stream_gbs[s] for s in fits)
+
+
+def measure_memory_overlap(peak_gflops: float, memory_gbs: float, quick: bool = False) -> float:
+    """The share of a matmul's memory time that runs beside its arithmetic, in [0, 1]: 128-row
+    matmuls over a 512 MiB set of 1376 x 512 fp32 weights (read from memory, not a cache),
+    each time t against t_c = FLOPs / peak and t_m = weight bytes / bandwidth:
+    1 - (t - max(t_c, t_m)) / min(t_c, t_m), clamped."""
+    import torch
+
+    rows, k, n = 128, 1376, 512
+    weights = [torch.full((k, n), 0.5) for _ in range((128 if quick else 512) * 2**20 // (k * n * 4))]
+    x = torch.full((rows, k), 0.5)
+    t = _median_seconds(lambda: [torch.mm(x, w) for w in weights], 3 if quick else 7) / len(weights)
+    t_c, t_m = 2 * rows * k * n / (peak_gflops * 1e9), k * n * 4 / (memory_gbs * 1e9)
+    return min(1.0, max(0.0, 1 - (t - max(t_c, t_m)) / min(t_c, t_m)))
+
+
+def measure_kernel_overhead(layers: int = 32, size: int = 16) -> float:
+    """Microseconds per kernel of an Inductor-compiled stack of `layers` tiny layers shaped as
+    a model's are (a linear with its bias, then a norm-like chain over a transposed view, its
+    weight a parameter): the wrapper's work per kernel (the extern call or fused C++ kernel,
+    input checks, buffer allocation, views), on 16 x 16 tensors whose arithmetic is noise.
+    Timed inside the backend, as the validation times graphs: Dynamo's guards are outside."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = torch.nn.ModuleList(torch.nn.Linear(size, size) for _ in range(layers))
+            self.scales = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(size)) for _ in range(layers))
+
+        def forward(self, x):
+            for linear, scale in zip(self.linears, self.scales):
+                h = linear(x)
+                h = h.view(2, size // 2, size).transpose(0, 1).reshape(size, size)
+                x = x + h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+            return x
+
+    seconds = []
+
+    def backend(gm, example_inputs):
+        compiled = compile_fx(gm, example_inputs)
+
+        def run(*args):
+            t0 = time.perf_counter()
+            out = compiled(*args)
+            seconds.append(time.perf_counter() - t0)
+            return out
+
+        return run
+
+    model = Stack().eval()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.full((size, size), 0.1)
+    with torch.no_grad():
+        for _ in range(20):
+            compiled(x)
+        del seconds[:]
+        for _ in range(200):
+            compiled(x)
+    torch._dynamo.reset()
+    # two kernels a layer: the matmul (extern) and the fused chain after it
+    return statistics.median(seconds) / (2 * layers) * 1e6
 
 
 def _per_call_us(fn, args, calls: int) -> float:
@@ -156,7 +253,31 @@ def measure_custom_op_overheads(calls: int = 16) -> dict[str, float]:
     one, eight = experts(1), experts(8)
     out["moe_experts_per_expert"] = max(0.0, (eight - one) / 7)
     out["moe_experts"] = max(0.0, one - out["moe_experts_per_expert"])
+    out.update(_hf_grouped_mm_overheads(calls))
     return out
+
+
+def _hf_grouped_mm_overheads(calls: int) -> dict[str, float]:
+    """Hugging Face's `grouped_mm_fallback` (the experts' form a library-default MoE compiles to
+    on CPU: a host loop of one matmul per expert with tokens), as for moe_experts: per call and
+    per expert. Empty where transformers does not provide it."""
+    import torch
+
+    try:
+        import transformers.integrations.moe  # noqa: F401  (registers the op)
+
+        op = torch.ops.transformers.grouped_mm_fallback
+    except (ImportError, AttributeError):
+        return {}
+    E, H = 8, 16
+
+    def experts(n: int) -> float:  # n tokens, one per expert
+        offs = torch.tensor([min(i + 1, n) for i in range(E)], dtype=torch.int32)
+        return _per_call_us(lambda x, w, o: op(x, w, o), (torch.randn(n, H), torch.randn(E, H, H), offs), calls)
+
+    one, eight = experts(1), experts(8)
+    per_expert = max(0.0, (eight - one) / 7)
+    return {"grouped_mm_fallback": max(0.0, one - per_expert), "grouped_mm_fallback_per_expert": per_expert}
 
 
 def _large_op_calls():
@@ -212,13 +333,14 @@ def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) ->
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # each rank its share of the cores
-    out = {"all_reduce": {}, "all_gather": {}}
+    out = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
         gathered = torch.empty(world * (nbytes // 4 // world))
         part = torch.ones(nbytes // 4 // world)
         for kind, fn in (("all_reduce", lambda: dist.all_reduce(x)),
-                         ("all_gather", lambda: dist.all_gather_into_tensor(gathered, part))):
+                         ("all_gather", lambda: dist.all_gather_into_tensor(gathered, part)),
+                         ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, x))):
             dist.barrier()
             out[kind][nbytes] = _median_seconds(fn, repeat)
     out["overlap"] = _overlap(repeat)
@@ -272,7 +394,7 @@ def overlap_share(t: dict) -> float:
 
 def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, float]:
     """(alpha seconds, beta bytes/s) of t = steps (alpha + (M / n) / beta), least squares;
-    steps = 2(n-1) for all-reduce, n-1 for all-gather (M the whole buffer)."""
+    steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter (M the whole buffer)."""
     steps = 2 * (world - 1) if kind == "all_reduce" else world - 1
     xs = [m / world for m in points]  # bytes per step
     ys = [t / steps for t in points.values()]
@@ -294,7 +416,7 @@ def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict
     for world in ranks:
         results = multirank.run(_collective_timings, world_size=world, args=(sizes, 5 if quick else 10),
                                 timeout_s=300)
-        for kind in ("all_reduce", "all_gather"):
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             # the slowest rank's time at each size: a collective ends when its last rank does
             points = {m: max(r[kind][m] for r in results) for m in sizes}
             alpha, beta = fit_ring(points, world, kind)
@@ -314,6 +436,11 @@ def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Mea
     m.matmul_gflops = measure_matmuls(quick)
     progress("memory bandwidth ...")
     m.copy_gbs = measure_copy(quick)
+    progress("cache level ...")
+    streamed = measure_weight_streaming(quick)
+    m.stream_gbs = {str(k): v for k, v in streamed.items()}
+    m.cache_mib, m.cache_gbs = cache_level(streamed)
+    m.memory_overlap = measure_memory_overlap(m.matmul_gflops["fp32 large"], m.copy_gbs, quick)
     progress("per-kernel overhead ...")
     m.kernel_overhead_us = measure_kernel_overhead()
     m.custom_op_overhead_us = measure_custom_op_overheads()
@@ -363,12 +490,21 @@ def to_toml(m: Measurements, base: str = "cpu") -> str:
         "# a large copy, bytes read + written per second",
         f"memory_bandwidth_gbs = {m.copy_gbs:.4g}",
     ]
+    if m.cache_mib:
+        sweep = ", ".join(f"{k} MiB {v:.1f}" for k, v in m.stream_gbs.items())
+        lines += [f"# a cache level: decode matmuls stream weight sets at ({sweep}) GB/s; the level holds the",
+                  "# largest set streaming at least halfway between the fastest and the largest set, at the median",
+                  "# rate of the sets it holds",
+                  f"cache_mib = {m.cache_mib:.4g}", f"cache_bandwidth_gbs = {m.cache_gbs:.4g}"]
+    lines += ["# share of a 128-row matmul's weight reads (512 MiB of weights) hidden under its arithmetic",
+              f"memory_overlap = {m.memory_overlap:.3g}"]
     lines += [
         f"memory_gib = {t.device.memory_bytes / 2**30:.4g}",
-        "# per kernel of an Inductor-compiled chain of 16 x 16 matmuls (kernels that never fuse)",
+        "# per kernel of an Inductor-compiled stack of tiny model-shaped layers (its wrapper's work per kernel)",
         f"launch_overhead_us = {m.kernel_overhead_us:.3g}",
         "# per call of each metainfer custom op from a compiled graph, on tiny inputs (default: the",
-        "# pointwise ops' median); moe_experts_per_expert: each expert with tokens (a host loop on CPU)",
+        "# pointwise ops' median); *_per_expert: each expert with tokens (a host loop on CPU); grouped_mm_fallback:",
+        "# Hugging Face's experts op on CPU (the library default)",
         "custom_op_overhead_us = { " + ", ".join(
             [f"default = {_default_overhead(m.custom_op_overhead_us):.3g}"]
             + [f"{k} = {v:.3g}" for k, v in m.custom_op_overhead_us.items()]) + " }",
@@ -399,6 +535,14 @@ def to_toml(m: Measurements, base: str = "cpu") -> str:
         lines += [f"# share of an all-reduce that ran beside a matmul of its length ({world} ranks; by rank count: "
                   + ", ".join(f"{k}: {v:.2f}" for k, v in m.comm_overlap.items()) + ")",
                   f"overlap = {m.comm_overlap[world]:.3g}"]
+    if link:  # the other kinds fitted on their own, over the same ranks as the link
+        world = ar[0][0]
+        own = [(kind, m.collectives[f"{kind} {world}"]) for kind in ("all_gather", "reduce_scatter")
+               if f"{kind} {world}" in m.collectives]
+        if own:
+            lines += ["", "[collectives.links]", f"# each kind fitted to its ring model on its own ({world} ranks)"]
+            lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
+                      for kind, v in own]
     lines.append("")
     return "\n".join(lines)
 
@@ -406,8 +550,12 @@ def to_toml(m: Measurements, base: str = "cpu") -> str:
 def table(m: Measurements) -> str:
     rows = [f"matmul {k}: {v:.1f} GFLOP/s" for k, v in m.matmul_gflops.items()]
     rows.append(f"copy: {m.copy_gbs:.1f} GB/s (read + write)")
+    rows += [f"decode matmuls streaming {k} MiB of weights: {v:.1f} GB/s" for k, v in m.stream_gbs.items()]
+    rows.append(f"cache level: {m.cache_mib:.0f} MiB at {m.cache_gbs:.1f} GB/s" if m.cache_mib else "cache level: none found")
+    rows.append(f"memory time hidden under a matmul's arithmetic: {m.memory_overlap:.0%}")
     rows.append(f"per-kernel overhead (compiled): {m.kernel_overhead_us:.2f} us")
-    rows += [f"per call of metainfer::{k} (compiled): {v:.1f} us" for k, v in m.custom_op_overhead_us.items()]
+    rows += [f"per call of {'transformers' if k.startswith('grouped_mm') else 'metainfer'}::{k} (compiled): {v:.1f} us"
+             for k, v in m.custom_op_overhead_us.items()]
     rows += [f"metainfer::{k} work: {v:.2f}x its roofline" for k, v in m.custom_op_slowdown.items()]
     for k, v in m.collectives.items():
         rows.append(f"gloo {k} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")

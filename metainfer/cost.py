@@ -131,6 +131,10 @@ def collective_cost(kind: str, nbytes: float, target: Target, algorithm: str | N
     if not nbytes >= 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     t = _Topo(target, ranks)
+    link = target.collective_links.get(kind)
+    if link is not None:  # fitted for this kind alone: how the library implements it, not the ring
+        t.bw_i = t.bw_x = link.bandwidth
+        t.lat_i = t.lat_x = link.latency_s
     n = t.n
     if n == 1 or nbytes == 0:
         return CollectiveCost(kind, algorithm, nbytes, n, 0.0, 0.0, 0.0, 0)
@@ -227,14 +231,23 @@ class OpCost:
     priced_by_bytes: bool = False  # an op the model does not know: its FLOPs are not counted
 
 
-def roofline(flops: float, nbytes: float, dtype_key: str, target: Target, overhead_s: float | None = None) -> OpCost:
+def _work_seconds(flops: float, nbytes: float, dtype_key: str, dev, footprint: float | None) -> tuple[float, str]:
+    """A kernel's time without its launch, and what bounds it: the larger of its arithmetic and
+    its memory time, plus the share of the smaller that does not overlap (`memory_overlap`)."""
+    compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.bandwidth(footprint)
+    body = max(compute, memory) + (1 - dev.memory_overlap) * min(compute, memory)
+    return body, "compute" if compute >= memory else "memory"
+
+
+def roofline(flops: float, nbytes: float, dtype_key: str, target: Target, overhead_s: float | None = None,
+             footprint: float | None = None) -> OpCost:
     """max(FLOPs / peak, bytes / bandwidth) + launch overhead (or `overhead_s`) on one device
-    of `target`."""
+    of `target`; the bandwidth is the cache level's where the program's `footprint` (bytes it
+    touches per call) fits in it (`DeviceSpec.bandwidth`); on a device whose loads do not
+    overlap its arithmetic, the smaller term is added, not hidden (`memory_overlap`)."""
     dev = target.device
     overhead = dev.launch_overhead_s if overhead_s is None else overhead_s
-    compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.memory_bandwidth
-    body = max(compute, memory)
-    bound = "compute" if compute >= memory else "memory"
+    body, bound = _work_seconds(flops, nbytes, dtype_key, dev, footprint)
     if overhead > body:
         bound = "launch"
     return OpCost(flops, nbytes, body + overhead, bound)
@@ -304,37 +317,41 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
         x, ids, wg = a[0], a[1], a[3]
         pairs = numel(ids)
         return 2 * pairs * 3 * size_hint(wg.shape[1]) * size_hint(wg.shape[2]), _peak_key(x.dtype)
+    if ns == "transformers" and name == "grouped_mm_fallback":  # (S, K) rows by (E, K, N) experts
+        return 2 * numel(out[0]) * size_hint(a[0].shape[-1]), _peak_key(a[0].dtype)
     return 0.0, None
 
 
 def custom_op_overhead(name: str, target: Target, experts: float = 1.0) -> float | None:
     """What a call of metainfer's op `name` costs beyond its work on `target` (calibrated: the
     op's own figure, else the target's default); None where the target does not say. A
-    moe_experts call adds the per-expert cost for each of the `experts` that can get tokens."""
+    call of an op with a host loop over experts (moe_experts; Hugging Face's
+    grouped_mm_fallback) adds the per-expert cost for each of the `experts` that can get tokens."""
     dev = target.device
     if not dev.knows_custom_op_costs:
         return None
     default = dev.custom_op_overhead_s if dev.custom_op_overhead_s is not None else dev.launch_overhead_s
     seconds = dev.custom_op_overheads.get(name, default)
-    if name == "moe_experts" and "moe_experts_per_expert" in dev.custom_op_overheads:
-        seconds += dev.custom_op_overheads["moe_experts_per_expert"] * experts
+    if f"{name}_per_expert" in dev.custom_op_overheads:
+        seconds += dev.custom_op_overheads[f"{name}_per_expert"] * experts
     return seconds
 
 
 def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, custom_op: str | None = None,
-                experts: float = 1.0, slowdown: bool = True) -> OpCost:
+                experts: float = 1.0, slowdown: bool = True, footprint: float | None = None) -> OpCost:
     """One kernel of `flops` work moving `nbytes` on one device of `target`: the roofline plus
     a launch; for metainfer's custom op `custom_op`, its calibrated call overhead instead of
     the launch and its work scaled by its calibrated slowdown over the roofline (where the
     target has them). The one formula for a kernel, used for graph nodes (`op_cost`), fused
     groups and the planner's modelled layers alike. `slowdown=False`: the work is already
-    priced as it runs (the calibrated slowdown was measured on another path of the op)."""
+    priced as it runs (the calibrated slowdown was measured on another path of the op).
+    `footprint`: the bytes the whole program touches per call (see `roofline`)."""
     custom = custom_op_overhead(custom_op, target, experts) if custom_op else None
-    c = roofline(flops, nbytes, dtype_key, target, custom)
+    c = roofline(flops, nbytes, dtype_key, target, custom, footprint)
     factor = target.device.custom_op_slowdown.get(custom_op, 1.0) if custom_op and slowdown else 1.0
     if factor != 1.0:  # calibrated: this op's work runs `factor` times its roofline here
-        overhead = c.seconds - max(flops / target.device.peak_flops[dtype_key], nbytes / target.device.memory_bandwidth)
-        c = OpCost(c.flops, c.bytes, (c.seconds - overhead) * factor + overhead, c.bound)
+        body, _ = _work_seconds(flops, nbytes, dtype_key, target.device, footprint)
+        c = OpCost(c.flops, c.bytes, c.seconds + (factor - 1) * body, c.bound)
     return c
 
 
@@ -365,13 +382,14 @@ def op_name(node: torch.fx.Node) -> tuple[str, str]:
     return ns, name
 
 
-def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
+def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None) -> OpCost:
     """FLOPs, bytes moved and predicted seconds of one call_function node on one device of
     `target` (see `roofline`). Matmuls, the attention family and metainfer's fused ops are
     priced by their FLOPs; pointwise ops (ATen's `pointwise` tag) at one FLOP per output
     element, reductions at one per input element, data movement by its bytes. Any other op is
     priced by its bytes with `priced_by_bytes=True`, so reports can list what the model does
-    not know. Views and constant fills (Inductor inlines them into their readers) are free."""
+    not know. Views and constant fills (Inductor inlines them into their readers) are free.
+    `footprint`: the bytes the node's graph touches per call (`graph_footprint`), where known."""
     if node.op != "call_function" or node.target is operator.getitem:
         return OpCost(0.0, 0.0, 0.0, "free")
     ns, name = op_name(node)
@@ -402,7 +420,15 @@ def op_cost(node: torch.fx.Node, target: Target) -> OpCost:
     if ns == "metainfer" and name == "moe_experts":  # the experts that can receive a token
         ids, w_gate = _val(node.args[1]), _val(node.args[3])
         experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
-    c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated)
+    if ns == "transformers" and name == "grouped_mm_fallback":
+        rows, weight = _val(node.args[0]), _val(node.args[1])
+        if rows is not None and weight is not None:  # it reads the weights of the experts with rows only
+            total = size_hint(weight.shape[0])
+            experts = min(total, size_hint(rows.shape[0]))
+            moved -= tensor_bytes(weight) * (1 - experts / total)
+        if name in target.device.custom_op_overheads:  # calibrated: its host loop's costs
+            custom_op = name
+    c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated, footprint=footprint)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 
@@ -538,7 +564,7 @@ def _computed_inside(view: torch.fx.Node, members: set) -> bool:
     return True
 
 
-def _group_cost(members: list, target: Target) -> OpCost:
+def _group_cost(members: list, target: Target, footprint: float | None = None) -> OpCost:
     inside = set(members)
     flops, outputs_dtype = 0.0, None
     read = sum(_bytes_read(i, inside) for i in {i for n in members for i in n.all_input_nodes if i not in inside})
@@ -559,25 +585,39 @@ def _group_cost(members: list, target: Target) -> OpCost:
                 written += sum(tensor_bytes(t) for t in out)
     if flops == 0 and read + written == 0:
         return OpCost(0.0, 0.0, 0.0, "free")
-    return kernel_cost(flops, read + written, _peak_key(outputs_dtype or torch.float32), target)
+    return kernel_cost(flops, read + written, _peak_key(outputs_dtype or torch.float32), target, footprint=footprint)
+
+
+def graph_footprint(graph: torch.fx.Graph) -> float:
+    """Bytes one call of `graph` touches, at most: its inputs (weights included) and every
+    tensor a node computes (views and getitems alias what they read). Where it fits in the
+    target's cache level, repeated calls find it there."""
+    total = 0.0
+    for node in graph.nodes:
+        if node.op == "placeholder" or (node.op == "call_function" and node.target is not operator.getitem
+                                        and op_name(node)[1] not in _VIEWS):
+            total += sum(tensor_bytes(t) for t in _tensors([node.meta.get("val")]))
+    return total
 
 
 def price_graph(graph: torch.fx.Graph, target: Target) -> dict[torch.fx.Node, OpCost]:
     """Each call_function node's share of what the lowering of `graph` costs on one device of
     `target`: a fused group's whole cost on its last node (its anchor), nothing on the other
     members; every other node as `op_cost` prices it. Collectives are the simulator's."""
+    footprint = graph_footprint(graph)
     prices: dict[torch.fx.Node, OpCost] = {}
     for members in fusion_groups(graph):
-        c = _group_cost(members, target)
+        c = _group_cost(members, target, footprint)
         for n in members[:-1]:
             prices[n] = OpCost(0.0, 0.0, 0.0, "fused")
         prices[members[-1]] = c
     for node in graph.nodes:
         if node.op == "call_function" and node not in prices:
-            prices[node] = op_cost(node, target)
+            prices[node] = op_cost(node, target, footprint)
     return prices
 
 
 def fused_kernels(graph: torch.fx.Graph, target: Target) -> list[FusedKernel]:
     """The fused kernels of `graph` with their costs (for reports and tests)."""
-    return [FusedKernel(m, _group_cost(m, target)) for m in fusion_groups(graph)]
+    footprint = graph_footprint(graph)
+    return [FusedKernel(m, _group_cost(m, target, footprint)) for m in fusion_groups(graph)]

@@ -39,8 +39,9 @@ class Pass:
     profitable_kinds: tuple[str, ...] = ("cpu", "cuda")  # where the default pipeline runs it
     unprofitable_why: str = ""
     needs_collectives: bool = False  # rewrites collectives: nothing to do on one device or an unsharded graph
-    # replaces what the lowering would fuse by itself with a custom op: the manager keeps the
-    # rewrite only where the cost model predicts the graph no slower with it (see PassManager)
+    # replaces work the lowering would run its own way (fused kernels, eager attention, an expert
+    # loop) with a custom op: the manager keeps the rewrite only where the cost model predicts
+    # the graph no slower with it, on targets that say what a custom-op call costs (PassManager)
     cost_gated: bool = False
 
     def skip_reason(self, target: Target, explicit: bool = False) -> str | None:

@@ -64,6 +64,7 @@ class FuseMoE(Pass):
     """per-expert loop / HF grouped_mm / HF batched_mm experts -> metainfer::moe_experts (one grouped GEMM)"""
 
     name = "fuse_moe"
+    cost_gated = True
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

@@ -24,6 +24,7 @@ class MLAPrefill(Pass):
     """MLA attention (v head dim != q head dim, or V zero-padded) -> metainfer::attention, unpadded"""
 
     name = "mla_prefill"
+    cost_gated = True
 
     def run(self, graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)

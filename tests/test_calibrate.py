@@ -29,8 +29,9 @@ def _measured():
                                                        "moe_experts_per_expert": 40.0},
         custom_op_slowdown={"rmsnorm": 3.0},
         collectives={"all_reduce 2": {"alpha_us": 120.0, "beta_gbs": 1.2, "points_us": {}},
-                     "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}}},
-        comm_overlap={"2": 0.25, "4": 0.0})
+                     "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}},
+                     "reduce_scatter 2": {"alpha_us": 250.0, "beta_gbs": 0.7, "points_us": {}}},
+        comm_overlap={"2": 0.25, "4": 0.0}, memory_overlap=0.0)
 
 
 def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
@@ -41,6 +42,7 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     assert t.device.peak_flops["fp32"] == pytest.approx(400e9) and t.device.peak_flops["bf16"] == pytest.approx(2.8e12)
     assert t.device.memory_bandwidth == pytest.approx(30e9)
     assert t.device.launch_overhead_s == pytest.approx(1.1e-6)
+    assert t.device.memory_overlap == 0.0 and t.device.cache_bytes == 0  # no cache level in this sweep
     assert t.device.custom_op_overhead_s == pytest.approx(25e-6)  # the pointwise ops' median
     assert t.device.custom_op_overheads["attention"] == pytest.approx(120e-6)
     assert t.device.custom_op_slowdown == {"rmsnorm": 3.0}
@@ -48,6 +50,22 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     assert t.topology.intra_island.bandwidth == pytest.approx(1.2e9)
     assert t.topology.intra_island.latency_s == pytest.approx(120e-6)
     assert t.comm_overlap == 0.25  # the two ranks', as for the link
+    # the reduce-scatter's own fit (gloo's is no cheaper than its all-reduce), the same ranks
+    assert t.collective_links["reduce_scatter"].bandwidth == pytest.approx(0.7e9)
+    assert t.collective_links["reduce_scatter"].latency_s == pytest.approx(250e-6) and "all_gather" not in t.collective_links
+
+
+def test_the_cache_level_from_a_streaming_sweep_by_hand():
+    # 46-48 GB/s up to 64 MiB, falling to 18 at 512: halfway is 33, last reached at 96 MiB;
+    # the median of 48, 46 and 36
+    sweep = {8: 48.0, 64: 46.0, 96: 36.0, 128: 28.0, 256: 18.5, 512: 18.0}
+    assert calibrate.cache_level(sweep) == (96.0, 46.0)
+    assert calibrate.cache_level({8: 20.0, 512: 18.0}) == (0.0, 0.0)  # no level worth modelling
+    m = _measured()
+    m.stream_gbs, (m.cache_mib, m.cache_gbs) = {str(k): v for k, v in sweep.items()}, calibrate.cache_level(sweep)
+    t = targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
+    assert t.device.cache_bytes == 96 * 2**20 and t.device.cache_bandwidth == pytest.approx(46e9)
+    assert t.device.bandwidth(96 * 2**20) == pytest.approx(46e9) and t.device.bandwidth(97 * 2**20) == pytest.approx(30e9)
 
 
 def test_overlap_share_by_hand():
@@ -69,8 +87,8 @@ def test_custom_ops_pay_their_dispatch_overhead(tmp_path):
     after, _ = run_pass("fuse_rmsnorm", gm)
     (op,) = [n for n in after.graph.nodes if "metainfer.rmsnorm" in str(n.target)]
     c = cost.op_cost(op, t)
-    # its work measured at 3x its roofline, plus 25 us a call
-    assert c.seconds == pytest.approx(3 * max(c.flops / 400e9, c.bytes / 30e9) + 25e-6)
+    # its work measured at 3x its roofline (memory and arithmetic add: memory_overlap 0), plus 25 us a call
+    assert c.seconds == pytest.approx(3 * (c.flops / 400e9 + c.bytes / 30e9) + 25e-6)
 
 
 def test_a_quick_calibration_of_this_machine():
@@ -78,6 +96,7 @@ def test_a_quick_calibration_of_this_machine():
     assert m.matmul_gflops["fp32 large"] > 1 and m.copy_gbs > 0.1
     assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us["rmsnorm"]  # Python dispatch costs more than a C++ call
     assert m.custom_op_overhead_us["moe_experts_per_expert"] > 0  # its CPU path loops over the experts
+    assert 0 <= m.memory_overlap <= 1 and len(m.stream_gbs) == 4
     targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
 
 
@@ -131,4 +150,27 @@ def test_moe_experts_pays_for_each_expert_that_can_get_tokens(tmp_path):
     gm, _ = capture_graph(lambda *a: torch.ops.metainfer.moe_experts(*a, None, None, None, 128, 128), *args)
     (op,) = [n for n in gm.graph.nodes if "moe_experts" in str(n.target)]
     c = cost.op_cost(op, t)
-    assert c.seconds == pytest.approx(max(c.flops / 400e9, c.bytes / 30e9) + 50e-6 + 40e-6 * min(E, T * K))
+    assert c.seconds == pytest.approx(c.flops / 400e9 + c.bytes / 30e9 + 50e-6 + 40e-6 * min(E, T * K))
+
+
+def test_hugging_face_grouped_mm_fallback_is_priced_by_its_work_and_host_loop(tmp_path):
+    """The library-default experts' op on CPU: a matmul per expert with rows, so its FLOPs,
+    the weights of min(experts, rows) experts, and the calibrated call and per-expert costs."""
+    import torch
+
+    import transformers.integrations.moe  # noqa: F401  (registers the op)
+    from metainfer.testing import capture_graph
+
+    m = _measured()
+    m.custom_op_overhead_us.update(grouped_mm_fallback=30.0, grouped_mm_fallback_per_expert=10.0)
+    path = tmp_path / "t.toml"
+    path.write_text(calibrate.to_toml(m))
+    t = targets.load(path)
+    E, S, K, N = 8, 2, 16, 24
+    gm, _ = capture_graph(lambda x, w, o: torch.ops.transformers.grouped_mm_fallback(x, w, o),
+                          torch.randn(S, K), torch.randn(E, K, N), torch.tensor([1, 2, 2, 2, 2, 2, 2, 2], dtype=torch.int32))
+    (op,) = [n for n in gm.graph.nodes if "grouped_mm_fallback" in str(n.target)]
+    c = cost.op_cost(op, t)
+    flops, nbytes = 2 * S * K * N, 4 * S * K + 4 * 2 * K * N + 4 * E + 4 * S * N  # rows, 2 experts, offsets, out
+    assert (c.flops, c.bytes) == (flops, nbytes)
+    assert c.seconds == pytest.approx(flops / 400e9 + nbytes / 30e9 + 30e-6 + 2 * 10e-6)

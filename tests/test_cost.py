@@ -287,3 +287,55 @@ def test_views_of_inputs_cost_nothing():
     (mm,) = _nodes(gm, "aten.mm")
     assert sum(p.seconds for n, p in prices.items() if n is not mm) == 0
     assert prices[mm] == cost.op_cost(mm, t)
+
+
+def _with_cache(t, mib, gbs):
+    return dataclasses.replace(t, device=dataclasses.replace(t.device, cache_bytes=mib * 2**20, cache_bandwidth=gbs * 1e9))
+
+
+def test_a_graph_that_fits_in_the_cache_level_streams_at_its_bandwidth():
+    """A decode-shaped matmul over a 2 MiB weight is memory-bound: priced at a cache level's
+    bandwidth (60 GB/s, unlike any real GPU's, so the two cases differ) when the graph's
+    footprint (inputs and output, 2 MiB + 12 KiB) fits in its 4 MiB, at memory's 864 GB/s when
+    the level holds 1 MiB or the target has none."""
+    x, w = torch.randn(2, 512), torch.randn(512, 1024)
+    gm, _ = capture_graph(lambda x, w: x @ w, x, w)
+    (mm,) = _nodes(gm, "aten.mm")
+    footprint = 4 * (2 * 512 + 512 * 1024 + 2 * 1024)
+    assert cost.graph_footprint(gm.graph) == footprint
+    base = targets.get("pcie8")  # fp32 by its TF32-less peak; memory 864 GB/s; 4 us launch
+    fits, too_small = _with_cache(base, 4, 60), _with_cache(base, 1, 60)
+    assert cost.price_graph(gm.graph, fits)[mm].seconds == pytest.approx(footprint / 60e9 + 4e-6)
+    assert cost.price_graph(gm.graph, too_small)[mm].seconds == pytest.approx(footprint / 864e9 + 4e-6)
+    assert cost.price_graph(gm.graph, base)[mm].seconds == pytest.approx(footprint / 864e9 + 4e-6)
+
+
+def test_memory_time_adds_to_arithmetic_where_it_does_not_overlap():
+    """A 128-row matmul over a 1376 x 512 weight on pcie4's numbers (fp32 91.6 TFLOP/s, 864 GB/s,
+    4 us launch): the roofline's max where loads overlap the arithmetic, the sum where they do
+    not (memory_overlap 0), half the smaller term hidden at 0.5."""
+    base = targets.get("pcie4")
+    gm, _ = capture_graph(lambda x, w: x @ w, torch.randn(128, 1376), torch.randn(1376, 512))
+    (mm,) = _nodes(gm, "aten.mm")
+    compute = 2 * 128 * 1376 * 512 / base.device.peak_flops["fp32"]
+    memory = 4 * (128 * 1376 + 1376 * 512 + 128 * 512) / 864e9
+    for overlap, body in ((1.0, max(compute, memory)), (0.0, compute + memory), (0.5, max(compute, memory) + min(compute, memory) / 2)):
+        t = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_overlap=overlap))
+        assert cost.op_cost(mm, t).seconds == pytest.approx(body + 4e-6)
+
+
+def test_a_collective_kind_fitted_on_its_own_is_priced_by_its_fit():
+    """gloo's reduce-scatter costs what its all-reduce does: a target that carries its own fit
+    for the kind (calibrate writes one) prices it by that link, the others by the topology's.
+    Two ranks, 4 MiB: ring reduce-scatter = 1 step of (latency + 2 MiB / bandwidth)."""
+    from metainfer.targets import LinkSpec
+
+    base = dataclasses.replace(targets.get("pcie8"), num_devices=2,
+                               topology=dataclasses.replace(targets.get("pcie8").topology, islands=((0, 1),),
+                                                            inter_island=None))
+    own = dataclasses.replace(base, collective_links={"reduce_scatter": LinkSpec(bandwidth=0.5e9, latency_s=300e-6)})
+    mib = 4 * 2**20
+    link = base.topology.intra_island
+    assert cost.collective_cost("reduce_scatter", mib, own).seconds == pytest.approx(300e-6 + mib / 2 / 0.5e9)
+    assert cost.collective_cost("reduce_scatter", mib, base).seconds == pytest.approx(link.latency_s + mib / 2 / link.bandwidth)
+    assert cost.collective_cost("all_reduce", mib, own).seconds == cost.collective_cost("all_reduce", mib, base).seconds

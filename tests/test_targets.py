@@ -55,6 +55,30 @@ def test_missing_field_is_named(tmp_path):
         targets.load(p)
 
 
+def test_a_cache_level_needs_its_size_and_its_bandwidth(tmp_path):
+    both = targets.load(_write(tmp_path, BASE.replace("memory_bandwidth_gbs = 864\n",
+                                                      "memory_bandwidth_gbs = 864\ncache_mib = 50\ncache_bandwidth_gbs = 5000\n")))
+    assert both.device.cache_bytes == 50 * 2**20 and both.device.cache_bandwidth == 5e12
+    assert targets.get("pcie4").device.cache_bytes == 0  # built-ins model none
+    p = _write(tmp_path, BASE.replace("memory_bandwidth_gbs = 864\n", "memory_bandwidth_gbs = 864\ncache_mib = 50\n"))
+    with pytest.raises(TargetError, match="'device.cache_mib' needs its partner"):
+        targets.load(p)
+
+
+def test_collective_links_are_checked(tmp_path):
+    one_island = open(targets.get("cpu").source).read()  # it has a [collectives] table
+    ok = one_island + "\n[collectives.links]\nreduce_scatter = { bandwidth_gbs = 0.7, latency_us = 250 }\n"
+    t = targets.load(_write(tmp_path, ok))
+    assert t.collective_links["reduce_scatter"].bandwidth == 0.7e9
+    bad = ok.replace("reduce_scatter =", "broadcast =")
+    with pytest.raises(TargetError, match="'collectives.links.broadcast' is not one of the collectives"):
+        targets.load(_write(tmp_path, bad))
+    two_islands = open(targets.get("pcie8").source).read() + \
+        "\n[collectives.links]\nreduce_scatter = { bandwidth_gbs = 0.7, latency_us = 250 }\n"
+    with pytest.raises(TargetError, match="for one-island targets"):
+        targets.load(_write(tmp_path, two_islands))
+
+
 def test_negative_bandwidth_is_named(tmp_path):
     p = _write(tmp_path, BASE.replace("bandwidth_gbs = 26", "bandwidth_gbs = -26"))
     with pytest.raises(TargetError, match="'topology.intra_island.bandwidth_gbs' must be positive"):

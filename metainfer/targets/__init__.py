@@ -32,6 +32,9 @@ class TargetError(ValueError):
         self.problems = list(problems or [message])
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str  # "cpu" | "cuda": the torch device type this target drives
@@ -47,6 +50,20 @@ class DeviceSpec:
     custom_op_overheads: Mapping[str, float] = field(default_factory=dict)
     # measured work of each custom op over its roofline (its CPU path is eager torch, not a fused kernel)
     custom_op_slowdown: Mapping[str, float] = field(default_factory=dict)
+    # a cache level a graph's whole footprint can stay in between calls (0: not modelled):
+    # its size, and the bandwidth memory-bound work gets from it
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
+    # the share of a kernel's memory time that runs beside its arithmetic: 1 (the roofline's
+    # max) where loads overlap compute; 0 where they add (a CPU GEMM packs its weight first)
+    memory_overlap: float = 1.0
+
+    def bandwidth(self, footprint: "float | None" = None) -> float:
+        """Bytes/s memory-bound work gets when the program it belongs to touches `footprint`
+        bytes per call: the cache level's where that fits in it, else memory's (None: memory's)."""
+        if footprint is not None and self.cache_bandwidth > 0 and footprint <= self.cache_bytes:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
 
     @property
     def knows_custom_op_costs(self) -> bool:
@@ -86,6 +103,10 @@ class Target:
     # of it, a GPU's copy engines / NCCL's own SMs; 0: none, CPU ranks whose collectives take
     # the cores the compute needs), as `metainfer calibrate` measures it
     comm_overlap: float = 1.0
+    # [collectives.links]: the link a collective of one kind sees, fitted on its own where the
+    # library's implementation of it is not the ring the topology implies (gloo's reduce-scatter
+    # costs what its all-reduce does); one-island targets only
+    collective_links: Mapping[str, "LinkSpec"] = field(default_factory=dict)
 
     def collective_settings(self) -> dict[str, tuple[str, str]]:
         """Environment settings for the collective library, computed from the topology, with
@@ -175,6 +196,9 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         arch=dev.str("arch", default=""),
         **_custom_op_overheads(dev, errors),
         custom_op_slowdown=_slowdowns(dev, errors),
+        **_cache_level(dev, errors),
+        memory_overlap=dev._number("memory_overlap", lambda v: 0 <= v <= 1, "in [0, 1]")
+        if dev.get("memory_overlap") is not None else 1.0,
     )
     single = num_devices == 1
     topo = r.table("topology", optional=single)
@@ -193,6 +217,15 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     coll = r.table("collectives", optional=single)
     backend = coll.choice("backend", ("nccl", "gloo"), default=_DEFAULT_BACKEND[kind] if single else None)
     overlap = coll._number("overlap", lambda v: 0 <= v <= 1, "in [0, 1]") if coll.get("overlap") is not None else 1.0
+    links = coll.table("links", optional=True)
+    collective_links = {}
+    for kind in sorted(links.data):
+        if kind not in COLLECTIVE_KINDS:
+            errors.append(f"field 'collectives.links.{kind}' is not one of the collectives {COLLECTIVE_KINDS}")
+        else:
+            collective_links[kind] = links.link(kind, required=True)
+    if collective_links and len(islands) > 1:
+        errors.append("field 'collectives.links' is for one-island targets (the fits are of one link class)")
     overrides = coll.get("settings") or {}
     if not isinstance(overrides, Mapping) or not all(isinstance(v, (str, int)) for v in overrides.values()):
         errors.append(f"field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
@@ -211,7 +244,20 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     return Target(name=name, description=r.str("description", default=name), num_devices=num_devices,
                   device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
-                  collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap)
+                  collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap,
+                  collective_links=collective_links)
+
+
+def _cache_level(dev: "_Reader", errors: list[str]) -> dict[str, float]:
+    """[device] cache_mib and cache_bandwidth_gbs, both or neither."""
+    given = [k for k in ("cache_mib", "cache_bandwidth_gbs") if dev.get(k) is not None]
+    if not given:
+        return {}
+    if len(given) == 1:
+        errors.append(f"field 'device.{given[0]}' needs its partner: a cache level takes both cache_mib "
+                      "and cache_bandwidth_gbs")
+        return {}
+    return {"cache_bytes": dev.positive("cache_mib") * 2**20, "cache_bandwidth": dev.positive("cache_bandwidth_gbs") * 1e9}
 
 
 def _slowdowns(dev: "_Reader", errors: list[str]) -> dict:

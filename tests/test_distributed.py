@@ -530,7 +530,7 @@ def test_sequence_parallel_declines_where_an_island_aware_all_reduce_is_cheaper(
         assert any("sequence_parallel not applied on pcie8@2x2" in n for n in near)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: the slow tier (49 s)
 def test_expert_parallel_deepseek(world):
     results = multirank.run(expert_parallel_run, world, timeout_s=TIMEOUT_S)
     for diff, local, fused, selected, notes in results:

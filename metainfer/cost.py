@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metainfer.fxops import VIEW_NAMES, op_name
 from metainfer.targets import Target
 
 ALGORITHMS = {
@@ -199,9 +200,6 @@ def send_cost(nbytes: float, target: Target, across_islands: bool) -> Collective
 
 # ---- part two: compute ops, from the fake tensors of a graph's nodes ------------------------
 
-_VIEWS = {"view", "reshape", "_unsafe_view", "permute", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
-          "transpose", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind", "sym_size",
-          "sym_numel", "sym_stride", "getitem"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var_mean", "any", "all", "argmax", "argmin",
                "cumsum", "topk", "sort", "softmax", "_softmax", "log_softmax", "_log_softmax"}
 
@@ -374,13 +372,6 @@ def _cpu_attention_scores(node: torch.fx.Node) -> "tuple[float, float] | None":
     return 2 * scores * (D + Dv), chunked_score_passes(mask_dtype is not None, causal) * scores * 4
 
 
-def op_name(node: torch.fx.Node) -> tuple[str, str]:
-    """(namespace, op name) of a call_function node: ("aten", "mm"), ("metainfer", "attention")."""
-    packet = getattr(node.target, "overloadpacket", None)
-    name = getattr(packet, "__name__", getattr(node.target, "__name__", str(node.target)))
-    ns = getattr(packet, "_qualified_op_name", "aten::x").split("::")[0] if packet is not None else "python"
-    return ns, name
-
 
 def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None) -> OpCost:
     """FLOPs, bytes moved and predicted seconds of one call_function node on one device of
@@ -393,7 +384,7 @@ def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None)
     if node.op != "call_function" or node.target is operator.getitem:
         return OpCost(0.0, 0.0, 0.0, "free")
     ns, name = op_name(node)
-    if name in _VIEWS or ns == "python":
+    if name in VIEW_NAMES or ns == "python":
         return OpCost(0.0, 0.0, 0.0, "free")
     ins = _tensors([_val(x) for x in node.all_input_nodes])
     if name in _CONSTANT_FILLS and not ins:
@@ -465,7 +456,7 @@ def fusible(node: torch.fx.Node) -> bool:
     if ns != "aten":
         return False
     tags = getattr(node.target, "tags", ())
-    return (name in _VIEWS or name in _FUSIBLE_MOVES or name in _REDUCTIONS or torch.Tag.pointwise in tags
+    return (name in VIEW_NAMES or name in _FUSIBLE_MOVES or name in _REDUCTIONS or torch.Tag.pointwise in tags
             or torch.Tag.reduction in tags)
 
 
@@ -543,7 +534,7 @@ def _bytes_read(tensor: torch.fx.Node, members: set) -> float:
         if user not in members:
             continue
         name = op_name(user)[1]
-        if name in _VIEWS:
+        if name in VIEW_NAMES:
             total += _bytes_read(user, members)
         elif name in _INDEXED_LOADS and user.args[_INDEXED_LOADS[name]] is tensor:
             total += sum(tensor_bytes(t) for t in _tensors([user.meta.get("val")]))
@@ -556,7 +547,7 @@ def _bytes_read(tensor: torch.fx.Node, members: set) -> float:
 
 def _computed_inside(view: torch.fx.Node, members: set) -> bool:
     """Whether a view's data is computed by the group (else it views a tensor from outside)."""
-    while op_name(view)[1] in _VIEWS:
+    while op_name(view)[1] in VIEW_NAMES:
         base = view.args[0] if view.args and isinstance(view.args[0], torch.fx.Node) else None
         if base is None or base not in members:
             return False
@@ -572,7 +563,7 @@ def _group_cost(members: list, target: Target, footprint: float | None = None) -
     for n in members:
         name = op_name(n)[1]
         out = _tensors([n.meta.get("val")])
-        if name in _VIEWS:
+        if name in VIEW_NAMES:
             if any(u not in inside for u in n.users) and _computed_inside(n, inside):
                 written += sum(tensor_bytes(t) for t in out)  # the computed base is written
             continue
@@ -595,7 +586,7 @@ def graph_footprint(graph: torch.fx.Graph) -> float:
     total = 0.0
     for node in graph.nodes:
         if node.op == "placeholder" or (node.op == "call_function" and node.target is not operator.getitem
-                                        and op_name(node)[1] not in _VIEWS):
+                                        and op_name(node)[1] not in VIEW_NAMES):
             total += sum(tensor_bytes(t) for t in _tensors([node.meta.get("val")]))
     return total
 

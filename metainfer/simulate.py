@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from metainfer import cost
+from metainfer.fxops import is_c10d, op_name
 from metainfer.targets import Target
 
-_COLLECTIVES = {
+COLLECTIVE_OPS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
     "all_gather_into_tensor": "all_gather",
@@ -143,10 +144,6 @@ class Timeline:
                         self.comm_floor)
 
 
-def _is_c10d(node: torch.fx.Node) -> bool:
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet is not None and getattr(packet, "_qualified_op_name", "").startswith("_c10d_functional::")
-
 
 def _collective_bytes(node: torch.fx.Node, kind: str) -> float:
     """The message size the cost model takes: one rank's buffer; for all-gather the output."""
@@ -167,7 +164,7 @@ def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
     """The devices of a functional collective's group: the ranks of the process group it
     names (when torch.distributed knows it), else its group_size argument (the first n
     devices), else the whole target."""
-    _, name = cost.op_name(node)
+    _, name = op_name(node)
     group = group_name(node)
     import torch.distributed as dist
 
@@ -216,14 +213,14 @@ class GraphTimeline:
         if node.op != "call_function":
             self.ready[node] = deps
             return deps
-        _, name = cost.op_name(node)
-        if _is_c10d(node) and name in _COLLECTIVES:
-            kind = _COLLECTIVES[name]
+        _, name = op_name(node)
+        if is_c10d(node) and name in COLLECTIVE_OPS:
+            kind = COLLECTIVE_OPS[name]
             nbytes = _collective_bytes(node, kind)
             ranks = group_ranks(node, target)
             c = cost.collective_cost(kind, nbytes, target, self.algorithms.get(node.name), ranks=ranks)
             end = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, max(deps, tl.compute_free))
-        elif _is_c10d(node) and name == "wait_tensor":
+        elif is_c10d(node) and name == "wait_tensor":
             end = tl.wait(deps)
         elif name == "symm_mem_all_reduce":  # a P2P all-reduce kernel: the compute stream waits for it
             nbytes = cost.tensor_bytes(node.args[0].meta["val"])

@@ -12,6 +12,12 @@ import torch.fx
 from metainfer.targets import Target
 
 
+class NearMiss(Exception):
+    """A pattern matched partway and stopped: the message says why, and the pass records it
+    (with where) as a near miss in its result, never as a failure. Each pass raises its own
+    subclass, so a pass that calls another's matcher catches only that matcher's misses."""
+
+
 @dataclass
 class PassResult:
     """What one run of a pass did to one graph."""

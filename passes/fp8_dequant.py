@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .matching import CONVERT_OPS, Node, aten, dtype, is_op, shape
+from . import base
+from .matching import CONVERT_OPS, Node, aten, dtype, is_op, peel, shape, uncast
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 # data-independent gathers: the value at each output position is one input element
@@ -27,7 +28,7 @@ _SHAPE_OPS = (aten.alias, aten.unsqueeze, aten.expand, aten.clone, aten.reshape,
               aten.index_select)
 
 
-class NotDequant(Exception):
+class NotDequant(base.NearMiss):
     """An FP8 weight is dequantised in a way this analysis cannot prove; the message says how."""
 
 
@@ -39,12 +40,6 @@ class Dequant:
     block_k: int
     out: Node  # the dequantised weight
     nodes: set[Node] = field(default_factory=set)  # out and everything computing it from weight/scale
-
-
-def _strip_converts(n):
-    while is_op(n, *CONVERT_OPS):
-        n = n.args[0]
-    return n
 
 
 def find_dequant(out: Node) -> Dequant | None:
@@ -70,7 +65,7 @@ def find_dequant(out: Node) -> Dequant | None:
     nodes.add(mul)
     a, b = mul.args[0], mul.args[1]
     for w_side, s_side in ((a, b), (b, a)):
-        w = _strip_converts(w_side)
+        w = uncast(w_side)
         if dtype(w) in FP8_DTYPES:
             break
     else:
@@ -90,12 +85,10 @@ def find_dequant(out: Node) -> Dequant | None:
 
 def _scale_source(s: Node) -> tuple[Node, list[Node]]:
     """Walk the shape-op chain down to the float32 2-D scale tensor it expands."""
-    chain = []
-    while is_op(s, *_SHAPE_OPS):
-        if any(isinstance(a, Node) for a in list(s.args[1:]) + list(s.kwargs.values())):
-            raise NotDequant(f"{s.name} expands the scales with a tensor-dependent argument")
-        chain.append(s)
-        s = s.args[0]
+    s, chain = peel(s, _SHAPE_OPS)
+    for v in chain:
+        if any(isinstance(a, Node) for a in list(v.args[1:]) + list(v.kwargs.values())):
+            raise NotDequant(f"{v.name} expands the scales with a tensor-dependent argument")
     if dtype(s) != torch.float32 or shape(s) is None or len(shape(s)) != 2:
         raise NotDequant(f"the scales ({s.name}, {dtype(s)} {list(shape(s) or [])}) are not a float32 2-D tensor "
                          "expanded by shape ops")

@@ -19,11 +19,12 @@ from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer
 
 from .base import Pass, PassContext, PassResult, register
 from .fp8_dequant import NotDequant, find_dequant
-from .matching import Node, aten, dtype, insert_call, is_op, linear_operands, location, shape
+from .matching import (
+    FLOAT_DTYPES, Node, aten, dtype, insert_call, is_op, linear_operands, location, shape, untransposed,
+)
 
 SUPPORTED_FP8 = (torch.float8_e4m3fn,)
 MODES = ("w8a16", "w8a8")
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp8_mode(ctx: PassContext) -> str:
@@ -84,16 +85,14 @@ def _linear_operands(node: Node):
     if found is None:
         return None
     x, wt, bias = found
-    if not (is_op(wt, aten.permute) and list(wt.args[1]) == [1, 0]) and not is_op(wt, aten.t):
-        return None
-    return x, wt, bias
+    return (x, wt, bias) if untransposed(wt, 2) is not None else None
 
 
 def _check(x, bias, dq) -> None:
     if dtype(dq.weight) not in SUPPORTED_FP8:
         raise NotDequant(f"FP8 format {dtype(dq.weight)} is not supported by the kernel "
                          f"(supported: {', '.join(str(d) for d in SUPPORTED_FP8)})")
-    if dtype(x) not in _FLOATS or dtype(x) != dtype(dq.out):
+    if dtype(x) not in FLOAT_DTYPES or dtype(x) != dtype(dq.out):
         raise NotDequant(f"activations {dtype(x)} and dequantised weight {dtype(dq.out)} differ")
     if bias is not None and len(shape(bias)) == 1 and dtype(bias) != dtype(x):
         raise NotDequant(f"bias dtype {dtype(bias)} differs from the activations' {dtype(x)}")

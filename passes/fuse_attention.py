@@ -29,15 +29,17 @@ from torch.fx.operator_schemas import normalize_function
 from metainfer.kernels.attention import MAX_HEAD_DIM
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
+from . import base
 from . import mask_analysis as ma
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_expand, is_noop_slice,
-    is_op, is_scalar, is_size_read, rehome_size_reads, size_reads_rehomable, skip_noop_views,
-    location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, strip, sizes_available, sym_size_available,
+    CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_view,
+    is_op, is_reshape, is_scalar, peel, rehome_size_reads, size_reads_rehomable, skip_noop_views,
+    location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, sizes_available, sym_size_available,
+    untransposed, escaping_uses,
 )
 
-_SDPA_OPS = {
+SDPA_OPS = {
     aten.scaled_dot_product_attention.default: "sdpa",
     aten._scaled_dot_product_flash_attention_for_cpu.default: "sdpa (cpu flash)",
     aten._scaled_dot_product_flash_attention.default: "sdpa (flash)",
@@ -47,7 +49,7 @@ _SDPA_OPS = {
 _NEG_INF_FLOOR = torch.finfo(torch.float16).min  # fill values at or below this drop a key exactly
 
 
-class NearMiss(Exception):
+class NearMiss(base.NearMiss):
     """Attention recognised, but not rewritten; the message says why."""
 
 
@@ -110,7 +112,7 @@ def match_site(node: Node, interp: ma.MaskInterpreter) -> Match | None:
     not one; NearMiss if it is one that cannot be rewritten."""
     if is_op(node, aten.bmm):
         return _match_eager(node, interp)
-    if node.target in _SDPA_OPS:
+    if node.target in SDPA_OPS:
         return _match_sdpa(node, interp)
     return None
 
@@ -122,10 +124,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     p4, p_views = _peel(p3)
     probs_region = [pv, *p_views]
     probs = p4 if p4 is not None else p3
-    casts = []
-    while is_op(probs, *CONVERT_OPS):
-        casts.append(probs)
-        probs = probs.args[0]
+    probs, casts = peel(probs, CONVERT_OPS)
     safe = _safe_softmax(probs)
     if safe is not None:  # SDPA's math decomposition: rows with every key masked give 0
         probs, safe_nodes = safe
@@ -162,8 +161,8 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
         q, kt, v = _operand(q4, q_views), _operand(kt4, k_views), _operand(v4, v_views)
 
     # k^T -> k (reuse the transpose the model wrote, else add one)
-    if is_op(kt.node, aten.permute) and list(kt.node.args[1]) in ([0, 1, 3, 2], [0, 2, 1]):
-        k = Operand(kt.node.args[0], expand_batch=kt.expand_batch)
+    if ndim(kt.node) in (3, 4) and untransposed(kt.node) is not None:
+        k = Operand(untransposed(kt.node), expand_batch=kt.expand_batch)
     else:
         k = Operand(kt.node, transpose=True, expand_batch=kt.expand_batch)
 
@@ -177,7 +176,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     out_shape = _out_shape(m)
     for u in list(pv.users):
         # a (batch*heads) -> (batch, heads) reshape of the output, in q's order
-        if not three_d and is_op(u, *VIEW_OPS) and same_shape(shape(u), out_shape):
+        if not three_d and is_reshape(u) and same_shape(shape(u), out_shape):
             m.replace.append(u)
     if len(m.replace) != len(pv.users):
         m.replace_3d.append(pv)
@@ -189,18 +188,15 @@ def _peel(n: Node) -> tuple[Node | None, list[Node]]:
     """A 3-D bmm operand (N, S, D) made by reshaping a 4-D (B, H, S, D) tensor: that tensor,
     after dropping no-op clones/expands (broadcasting expands are kept for `_operand`)."""
     s3 = shape(n)
-    if not is_op(n, *VIEW_OPS) or s3 is None or len(s3) != 3:
+    if not is_reshape(n) or s3 is None or len(s3) != 3:
         return None, []
     t = n.args[0]
     s4 = shape(t)
     if s4 is None or len(s4) != 4 or not (same(s4[0] * s4[1], s3[0]) and same(s4[2], s3[1])
                                             and same(s4[3], s3[2])):
         return None, []
-    views = [n]
-    while is_op(t, aten.clone) or is_noop_expand(t) or is_noop_slice(t):
-        views.append(t)
-        t = t.args[0]
-    return t, views
+    t, noops = peel(t, is_noop_view)
+    return t, [n, *noops]
 
 
 def _operand(t: Node, views: list[Node]) -> Operand:
@@ -421,7 +417,7 @@ def _parse_scores(x: Node):
                 raise NearMiss("where() on the scores broadcasts them to a larger shape")
             chain.append(x)
             x = x_next
-        elif is_op(x, *VIEW_OPS) and is_op(x.args[0], aten.bmm) and ndim(x) == 4:
+        elif is_reshape(x) and is_op(x.args[0], aten.bmm) and ndim(x) == 4:
             chain.append(x)
             x = x.args[0]
         elif is_op(x, aten.bmm):
@@ -433,13 +429,11 @@ def _parse_scores(x: Node):
 
 def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -> None:
     inside = set(region)
-    for n in region:
-        if n is allowed_exit:
-            continue
-        for u in n.users:
-            if u not in inside and not is_size_read(u):
-                what = "probabilities" if n in probs else "scores"
-                raise NearMiss(f"the attention {what} ({n.name}) are also used by {u.name}")
+    escaped = escaping_uses(region, inside, exits=(allowed_exit,), size_reads=True)
+    if escaped:
+        n, u = escaped[0]
+        what = "probabilities" if n in probs else "scores"
+        raise NearMiss(f"the attention {what} ({n.name}) are also used by {u.name}")
     if not size_reads_rehomable(inside - {allowed_exit}):
         raise NearMiss("a size of the scores is read and exists nowhere else in the graph")
 
@@ -503,18 +497,16 @@ def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
     """reshape(expand(unsqueeze(kv, 2), (B, Hkv, rep, S, D)), (B, Hkv*rep, S, D)) -> (kv, rep).
 
     Only this (interleaved) form maps query head h to kv head h // rep."""
-    if not is_op(n, *VIEW_OPS) or ndim(n) != 4:
+    if not is_reshape(n) or ndim(n) != 4:
         return None
-    e = n.args[0]
-    while is_op(e, aten.clone):
-        e = e.args[0]
+    e, _ = peel(n.args[0], (aten.clone,))
     if not is_op(e, aten.expand) or ndim(e) != 5:
         return None
     u = skip_noop_views(e.args[0])
     src = None
     if is_op(u, aten.unsqueeze) and u.args[1] in (2, -3):
         src = skip_noop_views(u.args[0])
-    elif is_op(u, *VIEW_OPS) and ndim(u) == 5 and ndim(u.args[0]) == 4 and same(shape(u)[2], 1):
+    elif is_reshape(u) and ndim(u) == 5 and ndim(u.args[0]) == 4 and same(shape(u)[2], 1):
         src = skip_noop_views(u.args[0])
     if src is None or ndim(src) != 4:
         return None
@@ -582,7 +574,7 @@ def _out_shape(m: Match):
 # ---- SDPA form -------------------------------------------------------------------------
 
 def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
-    form = _SDPA_OPS[node.target]
+    form = SDPA_OPS[node.target]
     norm = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     kw = norm.kwargs if norm is not None else {}
     q, k, v = kw.get("query"), kw.get("key"), kw.get("value")
@@ -659,7 +651,7 @@ def rewrite(graph, m: Match) -> None:
         B, Hq, Sq, Dv = shape(out)
         flat = insert_call(graph, m.anchor, aten.reshape.default, (out, [B * Hq, Sq, Dv]), exclude=m.region)
         r.replace_all_uses_with(flat)
-    if m.anchor.target in _SDPA_OPS:
+    if m.anchor.target in SDPA_OPS:
         # SDPA ops are tagged random (dropout): dead-code elimination would keep them
         erased = set()
         for n in [*m.replace, *list(m.anchor.users), m.anchor]:

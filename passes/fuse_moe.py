@@ -30,16 +30,18 @@ import torch
 from metainfer.kernels.moe import FP8_DTYPES as KERNEL_FP8
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
+from . import base
 from .base import Pass, PassContext, PassResult, register
-from .fp8_dequant import NotDequant, find_dequant
-from .fuse_swiglu import _silu
-from .matching import CONVERT_OPS, VIEW_OPS, Node, aten, dtype, insert_call, is_op, is_size_read, location, shape
+from .fp8_dequant import find_dequant
+from .matching import (
+    CONVERT_OPS, FLOAT_DTYPES, Node, aten, dtype, escaping_uses, insert_call, is_op, is_reshape, is_size_read, location, peel, shape,
+    silu_input, uncast, untransposed,
+)
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _GROUPED_MM = {"transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm"}
 
 
-class NearMiss(Exception):
+class NearMiss(base.NearMiss):
     """Experts recognised, but not fused; the message says why."""
 
 
@@ -71,7 +73,7 @@ class FuseMoE(Pass):
         for node in list(graph.nodes):
             try:
                 site = _match(node)
-            except (NearMiss, NotDequant) as e:
+            except base.NearMiss as e:  # its own, or fp8_dequant's (a scale it cannot prove)
                 res.near_misses.append(f"{location(node)}: experts not fused: {e}")
                 continue
             if site is None:
@@ -97,23 +99,13 @@ def _target_name(n) -> str:
     return str(getattr(n, "target", ""))
 
 
-def _transposed(n) -> Node | None:
-    """W if n is W^T (permute [1, 0] or t)."""
-    if is_op(n, aten.permute) and list(n.args[1]) == [1, 0]:
-        return n.args[0]
-    if is_op(n, aten.t):
-        return n.args[0]
-    return None
-
-
 def _swiglu(h) -> tuple[Node, Node, list[Node]] | None:
     """(gate, up, nodes) if h = silu(gate) * up (in any of its decomposed forms)."""
-    while is_op(h, *CONVERT_OPS):
-        h = h.args[0]
+    h = uncast(h)
     if not is_op(h, aten.mul):
         return None
     for s_side, up in ((h.args[0], h.args[1]), (h.args[1], h.args[0])):
-        found = _silu(s_side)
+        found = silu_input(s_side)
         if found is not None:
             gate, inner = found
             return gate, up, [h, *inner]
@@ -134,19 +126,17 @@ def _halves(gate: Node, up: Node) -> tuple[Node, int] | None:
 
 
 def _exclusive(region: set, keep: Node) -> None:
-    for n in region:
-        if n is keep:
-            continue
-        for u in n.users:
-            if u not in region and not is_size_read(u):
-                raise NearMiss(f"{n.name} (inside the experts) is also used by {u.name}")
+    escaped = escaping_uses(region, region, exits=(keep,), size_reads=True)
+    if escaped:
+        n, u = escaped[0]
+        raise NearMiss(f"{n.name} (inside the experts) is also used by {u.name}")
 
 
 def _check_kernel_limits(site: Site) -> None:
     T, H = shape(site.x)
     K = shape(site.ids)[1]
     E = shape(site.down)[0]
-    if dtype(site.x) not in _FLOATS:
+    if dtype(site.x) not in FLOAT_DTYPES:
         raise NearMiss(f"activations of dtype {dtype(site.x)}")
     if dtype(site.ids) not in (torch.int32, torch.int64):
         raise NearMiss(f"expert ids of dtype {dtype(site.ids)}")
@@ -226,7 +216,7 @@ def _expert_weight(w_t: Node, e: int | None):
     """W^T of one expert's projection -> ((stack, scales), expert, block, nodes): W is
     select(stack, 0, e), or the dequantisation of select(fp8 stack, 0, e) with
     select(scales, 0, e)."""
-    w = _transposed(w_t)
+    w = untransposed(w_t, 2)
     if w is None:
         return None
     nodes = [w_t]
@@ -322,7 +312,7 @@ def _match_combine(total: Node) -> Site | None:
     if (len(total.args) > 2 and total.args[2]) or total.kwargs.get("dtype") is not None:
         return None
     v = total.args[0]
-    if not is_op(v, *VIEW_OPS) or shape(v) is None or len(shape(v)) != 3:
+    if not is_reshape(v) or shape(v) is None or len(shape(v)) != 3:
         return None
     T, K, H = shape(v)
     per_pair = v.args[0]
@@ -343,7 +333,7 @@ def _weighted(mul: Node, expect) -> tuple[Node, Node] | None:
 
 def _flat_of(n: Node, T, K) -> Node | None:
     """X if n is reshape(X, [-1]) with X (T, K)."""
-    if is_op(n, *VIEW_OPS) and shape(n.args[0]) == (T, K):
+    if is_reshape(n) and shape(n.args[0]) == (T, K):
         return n.args[0]
     return None
 
@@ -391,7 +381,7 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     xs, wgu_t, offs1 = g1.args[:3]
     if offs1 is not offs:
         raise NearMiss("the two grouped GEMMs use different offsets")
-    wgu, wd = _expert_major(wgu_t), _expert_major(wd_t)
+    wgu, wd = untransposed(wgu_t, 3), untransposed(wd_t, 3)  # (E, N, K) from their transposes
     if wgu is None or wd is None:
         raise NearMiss("expert weights are not (E, N, K) tensors read transposed")
     E = shape(wd)[0]
@@ -429,13 +419,6 @@ def _through_convert(n: Node) -> Node:
     return n
 
 
-def _expert_major(w_t) -> Node | None:
-    """W (E, N, K) if w_t is permute(W, [0, 2, 1])."""
-    if is_op(w_t, aten.permute) and list(w_t.args[1]) == [0, 2, 1]:
-        return w_t.args[0]
-    return None
-
-
 def _check_offsets(offs, srt, E) -> None:
     """offs = cumsum(histc(sorted ids, bins=E, min=0, max=E-1)): per-expert row ends."""
     if not is_op(offs, aten.cumsum):
@@ -445,8 +428,7 @@ def _check_offsets(offs, srt, E) -> None:
         raise NearMiss("grouped GEMM offsets are not counts per expert")
     args = list(hist.args) + [100, 0, 0][len(hist.args) - 1:]
     src, bins, lo, hi = args[:4]
-    while is_op(src, *CONVERT_OPS):
-        src = src.args[0]
+    src = uncast(src)
     if not (src.target is operator.getitem and src.args[0] is srt and src.args[1] == 0):
         raise NearMiss("expert counts are not taken over the sorted ids")
     if (bins, lo, hi) != (E, 0, E - 1):
@@ -500,11 +482,9 @@ def _match_batched(total, v, mul, tkh) -> Site | None:
 
 def _repeated_rows(n, T, K) -> Node | None:
     """x (T, H) if n is repeat_interleave(x, K, dim=0): reshape(clone(expand(unsqueeze(x, 1))))."""
-    if not is_op(n, *VIEW_OPS):
+    if not is_reshape(n):
         return None
-    e = n.args[0]
-    while is_op(e, aten.clone):
-        e = e.args[0]
+    e, _ = peel(n.args[0], (aten.clone,))
     if not (is_op(e, aten.expand) and is_op(e.args[0], aten.unsqueeze) and e.args[0].args[1] == 1):
         return None
     x = e.args[0].args[0]

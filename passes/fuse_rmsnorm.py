@@ -18,13 +18,13 @@ import torch
 
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
+from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    CONVERT_OPS, Node, aten, dtype, insert_call, is_op, is_scalar, location, ndim, order,
-    reduces_last_dim, same, same_shape, shape,
+    CONVERT_OPS, FLOAT_DTYPES, Node, aten, dtype, escaping_uses, insert_call, is_op, is_scalar, location, ndim, order,
+    peel, reduces_last_dim, same, same_shape, shape,
 )
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class FuseRMSNorm(Pass):
         return res
 
 
-class _Miss(Exception):
+class _Miss(base.NearMiss):
     pass
 
 
@@ -135,20 +135,17 @@ def _match(r: Node) -> Norm | None:
         out = next(iter(out.users))
         nodes.append(out)
     x = xf
-    while is_op(x, *CONVERT_OPS) and dtype(x.args[0]) in _FLOATS and dtype(x) == torch.float32:
+    while is_op(x, *CONVERT_OPS) and dtype(x.args[0]) in FLOAT_DTYPES and dtype(x) == torch.float32:
         if any(u not in (sq, normed) for u in x.users):
             break  # the upcast has other users: keep it, read the upcast value
         nodes.append(x)
         x = x.args[0]
-    if dtype(x) not in _FLOATS or dtype(out) not in _FLOATS:
+    if dtype(x) not in FLOAT_DTYPES or dtype(out) not in FLOAT_DTYPES:
         raise _Miss(f"dtypes {dtype(x)} -> {dtype(out)}")
-    inside = set(nodes)
-    for n in nodes:
-        if n is out:
-            continue
-        extra = [u.name for u in n.users if u not in inside]
-        if extra:
-            raise _Miss(f"intermediate {n.name} is also used by {', '.join(extra)}")
+    escaped = escaping_uses(nodes, set(nodes), exits=(out,))
+    if escaped:
+        first = escaped[0][0]
+        raise _Miss(f"intermediate {first.name} is also used by {', '.join(u.name for n, u in escaped if n is first)}")
     return Norm(x=x, weight=weight, eps=float(eps), weight_offset=offset, out=out, nodes=nodes)
 
 
@@ -160,11 +157,10 @@ def _weight(w, hidden) -> tuple[Node | None, float, list[Node]]:
         if w.kwargs.get("alpha", 1) != 1:
             return None, 0.0, []
         offset, nodes, w = float(c), [w], w2
-    while is_op(w, *CONVERT_OPS):
-        nodes.append(w)
-        w = w.args[0]
+    w, casts = peel(w, CONVERT_OPS)
+    nodes += casts
     s = shape(w)
-    if not isinstance(w, Node) or s is None or len(s) != 1 or not same(s[0], hidden) or dtype(w) not in _FLOATS:
+    if not isinstance(w, Node) or s is None or len(s) != 1 or not same(s[0], hidden) or dtype(w) not in FLOAT_DTYPES:
         return None, 0.0, []
     # the weight casts are pattern nodes only when nothing else reads them
     nodes = [n for n in nodes if len(n.users) == 1]

@@ -14,9 +14,7 @@ import torch
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import Pass, PassContext, PassResult, register
-from .matching import Node, aten, dtype, insert_call, is_op, location, ndim, norm_dim, same, same_shape, shape
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from .matching import FLOAT_DTYPES, Node, aten, dtype, escaping_uses, insert_call, is_op, location, ndim, norm_dim, same_shape, shape
 
 
 @register
@@ -133,14 +131,13 @@ def _why_not(add: Node, x, cos, sin, inner) -> str | None:
             return f"{name} {list(shape(t))} does not broadcast to x {list(shape(x))}"
     if not same_shape(shape(add), shape(x)):
         return "the result is broadcast beyond x's shape"
-    if any(dtype(t) not in _FLOATS for t in (x, cos, sin)):
+    if any(dtype(t) not in FLOAT_DTYPES for t in (x, cos, sin)):
         return "unsupported dtype"
     want = torch.promote_types(torch.promote_types(dtype(x), dtype(cos)), dtype(sin))
     if dtype(add) != want:
         return f"result dtype {dtype(add)} is not the promoted {want}"
-    inside = set(inner) | {add}
-    for n in inner:
-        extra = [u.name for u in n.users if u not in inside]
-        if extra:
-            return f"intermediate {n.name} is also used by {', '.join(extra)}"
+    escaped = escaping_uses(inner, set(inner) | {add})
+    if escaped:
+        first = escaped[0][0]
+        return f"intermediate {first.name} is also used by {', '.join(u.name for n, u in escaped if n is first)}"
     return None

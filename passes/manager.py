@@ -19,8 +19,10 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from metainfer.fxops import is_c10d
+
 from .base import Pass, PassContext, PassResult
-from .matching import is_collective_call, shape, tensor_val
+from .matching import shape, tensor_val
 
 PIPELINE_VERSION = "1"
 
@@ -164,7 +166,7 @@ class PassManager(CustomGraphPass):
         ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
         self.simulation_error = None
         schedule = self._predict(graph)
-        unsharded = not any(is_collective_call(n) for n in graph.nodes)
+        unsharded = not any(is_c10d(n) for n in graph.nodes)
 
         def skip_reason(p: Pass) -> str | None:
             if p.name in self.disabled:

@@ -27,7 +27,7 @@ import torch
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .matching import Node, aten, is_op, is_scalar, ndim, norm_dim, prims, same, shape
+from .matching import Node, aten, is_op, is_reshape, is_scalar, ndim, norm_dim, prims, same, shape
 
 
 @dataclass(frozen=True, eq=False)
@@ -318,7 +318,7 @@ class MaskInterpreter:
             return None if moved is None else _set_ndim(moved, rank)
         if is_op(n, aten.squeeze):
             return self._reshape_like(n)
-        if is_op(n, aten.view, aten.reshape, aten._unsafe_view):
+        if is_reshape(n):
             return self._reshape_like(n)
         if is_op(n, aten.expand):
             src = self.value(a[0])

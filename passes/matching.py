@@ -21,8 +21,10 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 Node = torch.fx.Node
 
-VIEW_OPS = (aten.view, aten.reshape, aten._unsafe_view)
+# reshapes, as exact overloads: aten.view.dtype (a reinterpretation of the bits) is not one
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 CONVERT_OPS = (prims.convert_element_type, aten._to_copy)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def packet(n: Any):
@@ -33,13 +35,15 @@ def packet(n: Any):
 
 
 def is_op(n: Any, *ops) -> bool:
+    """Whether `n` calls one of `ops`: an overload packet (any of its overloads) or an overload."""
     p = packet(n)
     return p is not None and any(p is o or n.target is o for o in ops)
 
 
-def is_collective_call(n: Any) -> bool:
-    """A functional collective (or its wait) of torch.distributed: what a sharded graph holds."""
-    return getattr(packet(n), "_qualified_op_name", "").startswith("_c10d_functional::")
+def is_reshape(n: Any) -> bool:
+    """view / reshape / _unsafe_view to a new shape (never view.dtype)."""
+    return is_reshape(n)
+
 
 
 def val(n: Any):
@@ -112,11 +116,6 @@ def reduces_last_dim(n: Node, rank: int) -> bool:
     return bool(keep) and isinstance(dims, (list, tuple)) and len(dims) == 1 and norm_dim(dims[0], rank) == rank - 1
 
 
-def strip(n: Any, ops=CONVERT_OPS) -> Any:
-    """Follow single-input ops (dtype casts by default) back to their source."""
-    while is_op(n, *ops):
-        n = n.args[0]
-    return n
 
 
 def is_noop_expand(n: Node) -> bool:
@@ -133,25 +132,49 @@ def is_noop_slice(n: Node) -> bool:
     return start in (0, None) and step == 1 and same_shape(shape(n), shape(n.args[0]) or ())
 
 
+def peel(n: Any, step, single_use: bool = False) -> "tuple[Any, list[Node]]":
+    """Follow `n` back through its first argument while it is a step: a call of one of the
+    ops in `step` (a tuple for `is_op`) or a node `step(n)` accepts; with `single_use`, only
+    through nodes with one user. (source, the nodes walked, outermost first). The one walk
+    back through views, casts and copies every matcher uses."""
+    accepts = step if callable(step) else (lambda x: is_op(x, *step))
+    chain = []
+    while isinstance(n, Node) and n.op == "call_function" and accepts(n) and (not single_use or len(n.users) == 1):
+        chain.append(n)
+        n = n.args[0]
+    return n, chain
+
+
+def uncast(n: Any) -> Any:
+    """The value under a chain of dtype casts."""
+    return peel(n, CONVERT_OPS)[0]
+
+
+def is_noop_view(n: Any) -> bool:
+    """A clone, or a slice or expand that keeps the shape: the same values."""
+    return is_op(n, aten.clone) or is_noop_slice(n) or is_noop_expand(n)
+
+
 def skip_noop_views(n: Any) -> Any:
     """Follow clones, no-op slices and no-op expands back to their source."""
-    while isinstance(n, Node) and (is_op(n, aten.clone) or is_noop_slice(n) or is_noop_expand(n)):
-        n = n.args[0]
-    return n
+    return peel(n, is_noop_view)[0]
 
 
-def binary_operands(n: Node) -> tuple[Any, Any]:
-    return n.args[0], n.args[1]
 
 
-def other_operand(n: Node, one: Any) -> Any:
-    a, b = binary_operands(n)
-    return b if a is one else a if b is one else None
 
 
-def users_outside(nodes: Iterable[Node], allowed: set[Node]) -> list[Node]:
-    """Nodes in `nodes` that have a user outside `allowed` (which should include `nodes`)."""
-    return [n for n in nodes if any(u not in allowed for u in n.users)]
+
+
+def escaping_uses(nodes: Iterable[Node], inside: "set[Node]", exits: Iterable[Node] = (),
+                  size_reads: bool = False) -> "list[tuple[Node, Node]]":
+    """(node, user) for every use of one of `nodes` by a node outside `inside`, in the order of
+    `nodes`: what keeps a region a rewrite replaces alive. The `exits` (the region's results)
+    may be used anywhere; with `size_reads`, so may a node's size (the rewrite rehomes those
+    reads, see `rehome_size_reads`)."""
+    exits = set(exits)
+    return [(n, u) for n in nodes if n not in exits for u in n.users
+            if u not in inside and not (size_reads and is_size_read(u))]
 
 
 def location(n: Node) -> str:
@@ -175,9 +198,6 @@ def order(graph: torch.fx.Graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def first_user(nodes: Iterable[Node], pos: dict[Node, int]) -> Node | None:
-    users = [u for n in nodes for u in n.users]
-    return min(users, key=pos.__getitem__) if users else None
 
 
 def fake_call(target, args: tuple, kwargs: dict | None = None):
@@ -367,9 +387,33 @@ def rehome_size_reads(graph: torch.fx.Graph, region: set[Node]) -> None:
             u.replace_all_uses_with(sym_size_node(graph, u, u.meta["val"], exclude=region))
 
 
-def replace_with(old: Node, new: Node) -> None:
-    """Point every user of `old` at `new` (the caller leaves `old` to dead-code elimination)."""
-    old.replace_all_uses_with(new)
+
+
+def silu_input(n: Any) -> "tuple[Node, list[Node]] | None":
+    """(g, the nodes computing silu(g) from g) if `n` is silu(g) in any of its post-grad forms:
+    aten.silu, g / (1 + exp(-g)) (Inductor's decomposition), g * sigmoid(g); casts around it
+    are part of the chain, and g is read before an upcast that only silu uses."""
+    n, chain = peel(n, CONVERT_OPS)
+    g = None
+    if is_op(n, aten.silu):
+        g, chain = n.args[0], chain + [n]
+    elif is_op(n, aten.div):
+        den = n.args[1]
+        if is_op(den, aten.add) and (den.args[1] == 1 or den.args[0] == 1):
+            e = den.args[0] if den.args[1] == 1 else den.args[1]
+            if is_op(e, aten.exp) and is_op(e.args[0], aten.neg) and e.args[0].args[0] is n.args[0]:
+                g, chain = n.args[0], chain + [n, den, e, e.args[0]]
+    elif is_op(n, aten.mul):
+        for x, s in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            if is_op(s, aten.sigmoid) and s.args[0] is x:
+                g, chain = x, chain + [n, s]
+                break
+    if g is None:
+        return None
+    while is_op(g, *CONVERT_OPS) and all(u in chain for u in g.users) and dtype(g.args[0]) in FLOAT_DTYPES:
+        chain = chain + [g]
+        g = g.args[0]
+    return g, chain
 
 
 def constant_value(n: Any) -> float | None:
@@ -383,6 +427,17 @@ def constant_value(n: Any) -> float | None:
     return None
 
 
+def untransposed(n: Any, rank: "int | None" = None) -> "Node | None":
+    """W if `n` is W with its last two dims swapped (a permute, or aten.t of a 2-D W), of
+    rank `rank` where given; else None."""
+    if is_op(n, aten.t) and rank in (None, 2):
+        return n.args[0]
+    if is_op(n, aten.permute):
+        r = len(n.args[1])
+        perm = [norm_dim(d, r) for d in n.args[1]]
+        if r >= 2 and rank in (None, r) and perm == [*range(r - 2), r - 1, r - 2]:
+            return n.args[0]
+    return None
 
 
 def linear_operands(node: Node) -> "tuple[Any, Node, Any] | None":
@@ -401,8 +456,7 @@ def linear_operands(node: Node) -> "tuple[Any, Node, Any] | None":
     if is_op(node, aten.bmm):
         w = node.args[1]
         # views that keep (batch, K, N) as they are, down to an expand of the 2-D weight
-        while is_op(w, *VIEW_OPS) and ndim(w.args[0]) == 3 and same_shape(shape(w), shape(w.args[0])):
-            w = w.args[0]
+        w, _ = peel(w, lambda v: is_reshape(v) and ndim(v.args[0]) == 3 and same_shape(shape(v), shape(v.args[0])))
         if (is_op(w, aten.expand) and ndim(w.args[0]) == 2 and same_shape(shape(w)[1:], shape(w.args[0]))
                 and same_shape(shape(w), shape(node.args[1]))):
             return node.args[0], w.args[0], None

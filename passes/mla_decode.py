@@ -26,9 +26,10 @@ import torch
 
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
+from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    VIEW_OPS, Node, aten, dtype, insert_call, is_op, is_size_read, linear_operands, location, same, shape,
+    VIEW_OPS, Node, aten, dtype, insert_call, is_op, linear_operands, location, peel, same, shape, untransposed, escaping_uses,
     sizes_available,
 )
 
@@ -36,7 +37,7 @@ _ATTENTION = torch.ops.metainfer.attention.default
 _SPARSE = torch.ops.metainfer.sparse_attention.default
 
 
-class NearMiss(Exception):
+class NearMiss(base.NearMiss):
     """MLA decode recognised, but not rewritten; the message says why."""
 
 
@@ -123,14 +124,6 @@ def _split_of(n) -> tuple[Node, int] | None:
     return None
 
 
-def _strip(n, ops):
-    chain = []
-    while is_op(n, *ops):
-        chain.append(n)
-        n = n.args[0]
-    return n, chain
-
-
 def _match(att: Node):
     q, k, v = att.args[:3]
     if att.target is _SPARSE:
@@ -154,15 +147,15 @@ def _match(att: Node):
     kv = vs[0]  # (B, T, H, nope + v) [or (B, H, T, .) when the layout was swapped before the split]
     # kv = view(c @ W^T), possibly transposed to heads-major
     kv_src, kv_sw = _bhsd(kv)
-    dec, views = _strip(kv_src, VIEW_OPS)
+    dec, views = peel(kv_src, VIEW_OPS)
     found = linear_operands(dec)
     if found is None or found[2] is not None:
         return None
     lat_flat, wt, _ = found
-    if not (is_op(wt, aten.permute) and list(wt.args[1]) == [1, 0]):
+    W = untransposed(wt, 2)
+    if W is None:
         return None
-    W = wt.args[0]
-    latent, lat_views = _strip(lat_flat, (*VIEW_OPS, aten.expand))
+    latent, lat_views = peel(lat_flat, (*VIEW_OPS, aten.expand))
     if shape(latent) is None or len(shape(latent)) not in (3, 4) or (len(shape(latent)) == 4 and shape(latent)[1] != 1):
         return None  # (B, T, R), or (B, 1, T, R) as transformers keeps it; not a paged layout
     R = shape(W)[1]
@@ -171,7 +164,7 @@ def _match(att: Node):
     if not (isinstance(R, int) and shape(W)[0] == H * (nope + dv) and same(shape(latent)[-1], R)):
         raise NearMiss(f"W_kv_b {list(shape(W))} does not decompress a latent of {R} into {H} x ({nope} + {dv})")
     # the rope key, shared by every head: an expand of (B, T, 1, P) ((B, 1, T, P) in heads-major layout)
-    kpe_src, _ = _strip(k_pe_b, (aten.expand,))
+    kpe_src, _ = peel(k_pe_b, (aten.expand,))
     head_axis = 2 if k_sw else 1
     if shape(kpe_src) is None or len(shape(kpe_src)) != 4 or shape(kpe_src)[head_axis] != 1:
         return None
@@ -183,11 +176,11 @@ def _match(att: Node):
     # everything from the decompression GEMM to the attention goes with the rewrite
     inner = {k, v, k4, v4, k_nope, k_pe_b, kv, kv_src, dec, wt, *views, k_nope.args[0], *k_nodes}
     if is_op(dec, aten.bmm):  # the broadcast weight and the batched views of the latent go too
-        inner |= {dec.args[1], *_strip(dec.args[1], (*VIEW_OPS, aten.expand))[1], *lat_views}
-    for n in inner:
-        for u in n.users:
-            if u not in inner and u is not att and not is_size_read(u):
-                raise NearMiss(f"the decompressed keys/values ({n.name}) are also used by {u.name}")
+        inner |= {dec.args[1], *peel(dec.args[1], (*VIEW_OPS, aten.expand))[1], *lat_views}
+    escaped = escaping_uses(inner, inner | {att}, size_reads=True)
+    if escaped:
+        n, u = escaped[0]
+        raise NearMiss(f"the decompressed keys/values ({n.name}) are also used by {u.name}")
     region = inner
     return dict(q_nope=q_nope, q_pe=q_pe, q_swapped=q_sw, latent=latent, kpe=kpe_src, head_axis=head_axis,
                 W=W, R=R, H=H, nope=nope, dv=dv, region=region)

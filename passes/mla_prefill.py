@@ -30,7 +30,7 @@ class MLAPrefill(Pass):
         res = PassResult(modified=False)
         interp = ma.MaskInterpreter()
         for node in list(graph.nodes):
-            if not (is_op(node, aten.bmm) or node.target in fa._SDPA_OPS):
+            if not (is_op(node, aten.bmm) or node.target in fa.SDPA_OPS):
                 continue
             try:
                 m = fa.match_site(node, interp)
@@ -91,7 +91,7 @@ def _drop_v_padding(m: fa.Match) -> int | None:
 
 def _looks_mla(node: Node) -> bool:
     """An SDPA whose V is zero-padded or narrower than Q (for near-miss reports only)."""
-    if node.target not in fa._SDPA_OPS or len(node.args) < 3:
+    if node.target not in fa.SDPA_OPS or len(node.args) < 3:
         return False
     q, v = node.args[0], node.args[2]
     if _zero_pad_last(v) is not None:

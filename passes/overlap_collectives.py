@@ -28,7 +28,8 @@ import math
 import torch
 
 from metainfer import cost
-from metainfer.simulate import _COLLECTIVES, GraphTimeline, _is_c10d, group_name
+from metainfer.fxops import VIEW_NAMES, is_c10d, op_name
+from metainfer.simulate import COLLECTIVE_OPS, GraphTimeline, group_name
 
 from .base import Pass, PassContext, PassResult, register
 from .matching import Node, location, tensor_val
@@ -37,15 +38,15 @@ OVERLAP_MEMORY_FRACTION = 0.02  # of device memory: what re-ordering may add to 
 
 
 def is_collective(n: Node) -> bool:
-    return n.op == "call_function" and _is_c10d(n) and cost.op_name(n)[1] in _COLLECTIVES
+    return n.op == "call_function" and is_c10d(n) and op_name(n)[1] in COLLECTIVE_OPS
 
 
 def is_wait(n: Node) -> bool:
-    return n.op == "call_function" and _is_c10d(n) and cost.op_name(n)[1] == "wait_tensor"
+    return n.op == "call_function" and is_c10d(n) and op_name(n)[1] == "wait_tensor"
 
 
 def _is_barrier(n: Node) -> bool:
-    if n.op != "call_function" or _is_c10d(n):
+    if n.op != "call_function" or is_c10d(n):
         return False
     schema = getattr(n.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable) or n.is_impure()
@@ -140,7 +141,7 @@ def schedule(graph: torch.fx.Graph, target, prices: "dict | None" = None) -> lis
 # ---- memory ------------------------------------------------------------------------------------
 
 def _aliases(n: Node) -> bool:
-    return n.op == "call_function" and cost.op_name(n)[1] in cost._VIEWS
+    return n.op == "call_function" and op_name(n)[1] in VIEW_NAMES
 
 
 def peak_live_bytes(order: list[Node]) -> float:
@@ -197,7 +198,7 @@ def _timeline(order: list[Node], target, prices: dict) -> tuple[GraphTimeline, d
 def _compute_between(order: list[Node], coll: Node, wait: Node, target) -> int:
     pos = {n: i for i, n in enumerate(order)}
     return sum(1 for n in order[pos[coll] + 1:pos[wait]]
-               if n.op == "call_function" and not _is_c10d(n) and not _aliases(n) and cost.op_cost(n, target).seconds > 0)
+               if n.op == "call_function" and not is_c10d(n) and not _aliases(n) and cost.op_cost(n, target).seconds > 0)
 
 
 def _group_size(n: Node) -> int:
@@ -217,7 +218,7 @@ def collective_signature(order: list[Node]) -> list[tuple]:
     for n in order:
         if is_collective(n):
             v = tensor_val(n)
-            out.append((cost.op_name(n)[1], _group_size(n), tuple(str(s) for s in v.shape) if v is not None else (),
+            out.append((op_name(n)[1], _group_size(n), tuple(str(s) for s in v.shape) if v is not None else (),
                         str(v.dtype) if v is not None else ""))
     return out
 
@@ -286,7 +287,7 @@ class OverlapCollectives(Pass):
             res.matches += 1
             v = tensor_val(c)
             res.decisions.append(
-                f"{location(c)}: {cost.op_name(c)[1]} {cost.tensor_bytes(v) / 2**10:.1f} KiB: "
+                f"{location(c)}: {op_name(c)[1]} {cost.tensor_bytes(v) / 2**10:.1f} KiB: "
                 f"{_compute_between(new, c, w, target)} compute op(s) now between issue and wait "
                 f"({_compute_between(old, c, w, target)} before); predicted exposed "
                 f"{blocked_before[w] * 1e6:.1f} -> {blocked_after[w] * 1e6:.1f} us")

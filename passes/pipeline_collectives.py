@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
-from .matching import VIEW_OPS, Node, insert_call, is_op, location, shape, tensor_val
+from .matching import Node, insert_call, is_op, is_reshape, location, peel, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -45,20 +45,13 @@ def _chunks(rows: int, k: int) -> list[int]:
     return [min(c, rows - i * c) for i in range(k) if rows - i * c > 0]
 
 
-def _strip_views(x: Node) -> Node:
-    """The value under a chain of single-use views."""
-    while is_op(x, *VIEW_OPS) and len(x.users) == 1:
-        x = x.args[0]
-    return x
-
-
 def _static(*nodes) -> bool:
     return all(shape(n) is not None and all(isinstance(d, int) for d in shape(n)) for n in nodes)
 
 
 def _mm_feeding(coll: Node) -> "Node | None":
     """The mm whose output (through single-use views) is `coll`'s input, used only there."""
-    x = _strip_views(coll.args[0])
+    x, _ = peel(coll.args[0], is_reshape, single_use=True)
     if is_op(x, aten.mm) and len(x.users) == 1 and _static(x.args[0], x.args[1]):
         return x
     return None
@@ -70,7 +63,7 @@ def _consumers(wait: Node) -> "list[Node] | None":
     out, todo = [], [(wait, u) for u in wait.users]
     while todo:
         v, u = todo.pop()
-        if is_op(u, *VIEW_OPS):
+        if is_reshape(u):
             todo.extend((u, x) for x in u.users)
         elif is_op(u, aten.mm) and u.args[0] is v and u.args[1] is not v and shape(v) == shape(wait) \
                 and _static(u.args[1]):
@@ -254,7 +247,7 @@ def _descendant_views(wait: Node) -> set[Node]:
     out, todo = set(), list(wait.users)
     while todo:
         v = todo.pop()
-        if is_op(v, *VIEW_OPS) and v not in out:
+        if is_reshape(v) and v not in out:
             out.add(v)
             todo.extend(v.users)
     return out

@@ -105,8 +105,6 @@ class SelectCollectives(Pass):
         res = PassResult(modified=False)
         target = ctx.target
         low = transport_dtype(ctx)
-        direct = {"one_shot", "two_shot"} if _symmetric_memory_available(target) else set()
-        allowed = {"ring", "hierarchical"} | direct
         groups = distributed.island_groups(target) if dist.is_available() and dist.is_initialized() else None
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for node in list(graph.nodes):
@@ -132,10 +130,8 @@ class SelectCollectives(Pass):
                 continue
             narrow = low is not None and val.dtype.is_floating_point and val.element_size() > low.itemsize
             nbytes = numel * (low.itemsize if narrow else val.element_size())
+            allowed = allowed_algorithms(target, ranks)
             options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
-            whole_world = n == dist.get_world_size() and groups is not None
-            if not whole_world:
-                options = [c for c in options if c.algorithm != "hierarchical"]
             chosen = min(options, key=lambda c: c.seconds)
             ring = next(c for c in options if c.algorithm == "ring")
             others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)

@@ -31,17 +31,11 @@ import torch.distributed as dist
 
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
-from .matching import CONVERT_OPS, Node, insert_call, is_op, location, shape, tensor_val
+from .matching import CONVERT_OPS, Node, insert_call, is_op, is_reshape, location, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-# exact overloads: aten.view.dtype reinterprets bits and is not a reshape
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-
-
-def _is_reshape(node: Node) -> bool:
-    return node.op == "call_function" and node.target in _RESHAPES
 _LAST_DIM_REDUCTIONS = (aten.mean, aten.sum, aten.amax, aten.amin)
 
 
@@ -121,7 +115,7 @@ def _joins(node: Node, region: _Region) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return False  # an in-place op would write through a view of this rank's rows only
-    if _is_reshape(node):
+    if is_reshape(node):
         src = node.args[0]
         return src in region.members and region.token_tensor(node) and shape(node)[-1] == shape(src)[-1]
     if is_op(node, *_LAST_DIM_REDUCTIONS):
@@ -239,12 +233,6 @@ def _find(graph: torch.fx.Graph, res: PassResult) -> "_Site | None":
     return _Site(roots, region, boundary, group, pg, n, me, tokens)
 
 
-def _source(v: Node, region: _Region) -> Node:
-    """The value a reshape inside the region stands for (reshapes are identities on the 2-D
-    local form): one gather per value, not per view of it."""
-    while _is_reshape(v) and v.args[0] in region.members:
-        v = v.args[0]
-    return v
 
 
 def _rewrite(graph, site: _Site) -> int:
@@ -279,7 +267,7 @@ def _rewrite(graph, site: _Site) -> int:
         rs = insert_call(graph, w, c10d.reduce_scatter_tensor.default, (flat, "sum", n, group), meta_from=ar)
         local[w] = insert_call(graph, w, c10d.wait_tensor.default, (rs,), meta_from=w)
     for v in region.nodes:
-        if _is_reshape(v):
+        if is_reshape(v):
             local[v] = local[v.args[0]]
             continue
         if v.target is operator.getitem:

@@ -27,15 +27,16 @@ import torch
 
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
+from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape,
+    CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
 )
 
 _FLOOR = torch.finfo(torch.float16).min  # a fill at or below this drops a key exactly
 
 
-class NotSelection(Exception):
+class NotSelection(base.NearMiss):
     """A scatter that looks like DSA's but is not a pure top-k selection; the message says why."""
 
 
@@ -122,9 +123,7 @@ def _scatter_selection(n, fill_pred, value) -> Selection | None:
         return None
     if dim not in (-1, 2):
         raise NotSelection(f"the scatter runs along dim {dim}, not the key dim")
-    topk_node = idx
-    while is_op(topk_node, *CONVERT_OPS):
-        topk_node = topk_node.args[0]
+    topk_node = uncast(idx)
     if not (topk_node.target is operator.getitem and topk_node.args[1] == 1 and is_op(topk_node.args[0], aten.topk)):
         raise NotSelection("the scattered indices do not come from topk (duplicates would not be a selection)")
     tk = topk_node.args[0]

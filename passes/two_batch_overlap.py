@@ -28,13 +28,16 @@ import operator
 
 import torch
 
+from metainfer.fxops import op_name
+
+from . import base
 from .base import Pass, PassContext, PassResult, register
-from .matching import Node, insert_call, location, shape, tensor_val
+from .matching import Node, insert_call, is_reshape, location, shape, tensor_val
 
 aten = torch.ops.aten
 
 
-class Unsplittable(Exception):
+class Unsplittable(base.NearMiss):
     """The batch cannot be traced through this node."""
 
 
@@ -47,7 +50,6 @@ def _dims(x, n: int) -> list[int]:
     return sorted(_norm(d, n) for d in x)
 
 
-_VIEW = {"view", "reshape", "_unsafe_view"}
 _SAME_LAYOUT = {"clone", "alias", "contiguous", "_to_copy", "convert_element_type", "detach", "lift_fresh_copy",
                 "full_like", "ones_like", "zeros_like", "empty_like"}
 _REDUCE = {"sum", "mean", "amax", "amin", "prod", "any", "all", "var", "var_mean", "argmax", "argmin", "logsumexp"}
@@ -59,12 +61,6 @@ _BATCH_FIRST = {  # metainfer ops whose listed tensor arguments are batch-first 
 _MASK_ARG = {"attention": 3, "sparse_attention": 4, "mla_decode": 5}
 _ELEMENTWISE_COLLECTIVES = {"all_reduce", "wait_tensor"}
 
-
-def _name(n: Node) -> tuple[str, str]:
-    packet = getattr(n.target, "overloadpacket", None)
-    qual = getattr(packet, "_qualified_op_name", "") if packet is not None else ""
-    ns, _, name = qual.partition("::")
-    return ns, name
 
 
 class BatchTrace:
@@ -78,7 +74,7 @@ class BatchTrace:
         self.permuted: set[Node] = set()  # between a reduce-scatter and its all-gather
         self.halved: set[Node] = set()  # slices of the batch dimension whose bounds halve with it
         inputs = [n for n in graph.nodes if n.op == "placeholder"]
-        ids = [n for n in graph.nodes if _name(n) == ("aten", "embedding")]
+        ids = [n for n in graph.nodes if op_name(n) == ("aten", "embedding")]
         if not ids:
             raise Unsplittable("no token-id input (no embedding): the batch cannot be found")
         self.batch = shape(ids[0].args[1])[0] if shape(ids[0].args[1]) else None
@@ -134,7 +130,7 @@ class BatchTrace:
         self.slices.setdefault(n, {})[a] = j
 
     def _trace(self, n: Node):
-        ns, name = _name(n)
+        ns, name = op_name(n)
         args = n.args
         inner = {a in self.permuted for a in n.all_input_nodes if self.d(a) is not None}
         if inner == {True, False}:
@@ -160,8 +156,12 @@ class BatchTrace:
             return self._broadcast(n, args)
         if name in _SAME_LAYOUT:
             return bx
-        if name in _VIEW:
+        if is_reshape(n):
             return self._view(n, x, bx)
+        if n.target is aten.view.dtype:  # the same bytes read as another dtype
+            if tensor_val(n).dtype.itemsize != tensor_val(x).dtype.itemsize:
+                self._need(n, "reinterprets the rows' bytes at another element width")
+            return bx
         if name == "permute":
             return [_norm(d, tensor_val(x).ndim) for d in args[1]].index(bx)
         if name in ("transpose", "t"):
@@ -368,8 +368,8 @@ def split(graph: torch.fx.Graph, trace: BatchTrace) -> int:
 
             new_args = [arg(a) for a in n.args]
             new_kwargs = {k: arg(v) for k, v in n.kwargs.items()}
-            _, name = _name(n)
-            if name in _VIEW or name == "expand":
+            _, name = op_name(n)
+            if is_reshape(n) or name == "expand":
                 size = list(tensor_val(n).shape)
                 size[dn] //= 2
                 new_args[1] = size

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from metainfer import cost, targets
+from metainfer.fxops import VIEW_NAMES, op_name
 
 MiB = 2**20
 
@@ -209,7 +210,7 @@ def test_bigger_matmul_never_cheaper(m, n, k):
 # ---- what the lowering emits: fused groups, indexed loads and stores (hand-computed) ---------
 
 def _groups(gm):
-    return [[str(n.target).split(".")[1] for n in g if cost.op_name(n)[1] not in cost._VIEWS]
+    return [[str(n.target).split(".")[1] for n in g if op_name(n)[1] not in VIEW_NAMES]
             for g in cost.fusion_groups(gm.graph)]
 
 

@@ -42,7 +42,7 @@ def is_op(n: Any, *ops) -> bool:
 
 def is_reshape(n: Any) -> bool:
     """view / reshape / _unsafe_view to a new shape (never view.dtype)."""
-    return is_reshape(n)
+    return is_op(n, *VIEW_OPS)
 
 
 

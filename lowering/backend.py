@@ -21,11 +21,10 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
-from metainfer import targets as _targets
-from metainfer.passes import PassManager, resolve
-from metainfer.report import GraphSection, Report
+from metainfer.passes import PassManager
 
 from . import compile_cache, kernel_configs
+from .section import GraphSection
 
 LOWERINGS = ("inductor", "aot_eager")
 
@@ -47,7 +46,7 @@ def _graph_input_values(gm: torch.fx.GraphModule, example_inputs: list) -> list:
     return vals
 
 
-def _graph_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
+def graph_input_labels(gm: torch.fx.GraphModule, example_inputs: list) -> list[str]:
     """dtype[shape] of each graph input as the graph sees it: symbolic sizes stay symbols."""
     return [_describe_input(v) for v in _graph_input_values(gm, example_inputs)]
 
@@ -122,7 +121,7 @@ def _break_text(reason: str) -> str:
 class MetainferBackend:
     """A Dynamo backend bound to one target, pipeline and report."""
 
-    def __init__(self, target, passes, disabled=(), *, explicit: bool = False, report: Report | None = None,
+    def __init__(self, target, passes, disabled=(), *, report, explicit: bool = False,
                  lowering: str = "inductor", options: dict | None = None, capture: bool = False,
                  cache_dir=None):
         if lowering not in LOWERINGS:
@@ -134,7 +133,7 @@ class MetainferBackend:
         self.lowering = lowering
         self.options = dict(options or {})
         self.cache_dir = compile_cache.cache_dir(cache_dir)
-        self.report = report if report is not None else Report(target, [p.name for p in self.passes])
+        self.report = report  # metainfer.report.Report (or anything with a `sections` list)
         self.capture = capture  # keep (graph, inputs) per section, for bisection
         self.captured: list[list] = []  # [Dynamo graph, its first real inputs] per section
         self._breaks_seen = dict(counters["graph_break"])
@@ -166,7 +165,7 @@ class MetainferBackend:
         if cid is not None:
             self._compile_ids.add(cid)
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
-                               inputs=_graph_inputs(gm, example_inputs), lowering=self.lowering,
+                               inputs=graph_input_labels(gm, example_inputs), lowering=self.lowering,
                                phase=self.phase() if callable(self.phase) else self.phase,
                                recompile_reasons=recompiled_because[:4])
         original = copy.deepcopy(gm) if self.capture else None
@@ -244,50 +243,10 @@ def _inductor(gm, example_inputs, manager: PassManager, caches: bool):
 
 
 def _aot_eager(gm, example_inputs, manager: PassManager):
-    from metainfer.capture import post_grad
+    from .capture import post_grad
 
     def run_passes(fx_gm: torch.fx.GraphModule):
         manager(fx_gm.graph)
         fx_gm.recompile()
 
     return post_grad(gm, example_inputs, run_passes)
-
-
-# ---- torch.compile(model, backend="metainfer", options={...}) ---------------------------
-
-_OPTION_KEYS = ("target", "passes", "disable", "lowering", "dump_dir", "pass_options", "cache_dir")
-_last: dict[str, Any] = {"key": None, "backend": None}
-
-
-def metainfer_backend(gm, example_inputs, options: dict | None = None, **unused):
-    """Entry point registered under `torch_dynamo_backends` as "metainfer"."""
-    opts = dict(options or {})
-    unknown = set(opts) - set(_OPTION_KEYS)
-    if unknown:
-        raise ValueError(f"unknown metainfer backend options {sorted(unknown)}; known: {list(_OPTION_KEYS)}")
-    key = id(options)
-    if _last["key"] != key or _last["backend"] is None:
-        target = _targets.get(opts.get("target", "cpu"))
-        passes, disabled, explicit = resolve(target, opts.get("passes"), opts.get("disable", ()))
-        _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit,
-                                            lowering=opts.get("lowering", "inductor"),
-                                            options=opts.get("pass_options"), cache_dir=opts.get("cache_dir"))
-        _last["key"] = key
-    backend: MetainferBackend = _last["backend"]
-    compiled = backend(gm, example_inputs)
-    dump = opts.get("dump_dir") or _env_dump()
-    if dump:
-        backend.report.save(dump)
-    return compiled
-
-
-def last_report() -> Report | None:
-    """The report of the most recent torch.compile(..., backend="metainfer") compilation."""
-    b = _last["backend"]
-    return b.report if b is not None else None
-
-
-def _env_dump():
-    import os
-
-    return os.environ.get("METAINFER_DUMP") or None

@@ -75,7 +75,7 @@ def __dir__():
 
 def last_report():
     """The report of the latest torch.compile(..., backend="metainfer") compilation."""
-    from .lowering.backend import last_report as _last
+    from .dynamo_backend import last_report as _last
 
     return _last()
 

@@ -19,7 +19,8 @@ import torch
 from metainfer import targets as _targets
 from metainfer.capture import capturable, translate
 from metainfer.passes import PassManager, resolve
-from metainfer.report import GraphSection, Report
+from metainfer.lowering.section import GraphSection
+from metainfer.report import Report
 
 
 def analyze(model: torch.nn.Module, target="pcie8", *, example_inputs, passes: Iterable | None = None,
@@ -93,10 +94,10 @@ class _AnalysisBackend:
         self.options = dict(options or {})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
-        from metainfer.capture import post_grad
-        from metainfer.lowering.backend import _graph_inputs
+        from metainfer.lowering.capture import post_grad
+        from metainfer.lowering.backend import graph_input_labels
 
-        section = GraphSection(index=len(self.report.sections), inputs=_graph_inputs(gm, example_inputs),
+        section = GraphSection(index=len(self.report.sections), inputs=graph_input_labels(gm, example_inputs),
                                lowering="none (analysis)")
 
         def run_passes(fx_gm: torch.fx.GraphModule):

@@ -202,7 +202,8 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     if dynamic is None and os.environ.get("METAINFER_DYNAMIC") == "1":
         dynamic = True
     backend = MetainferBackend(target, chosen, disabled, explicit=explicit, lowering=lowering,
-                               options=pass_options, capture=capture, cache_dir=cache_dir)
+                               options=pass_options, capture=capture, cache_dir=cache_dir,
+                               report=Report(target, [p.name for p in chosen]))
     # Each optimize() is a new backend, hence new Dynamo cache entries for the model's
     # forward; allow more than the default 8 so a process can optimize many models.
     cfg = torch._dynamo.config

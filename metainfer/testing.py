@@ -13,7 +13,7 @@ import copy
 import torch
 
 from metainfer import targets as _targets
-from metainfer.capture import DYNAMO_CONFIG
+from metainfer.lowering.capture import DYNAMO_CONFIG
 from metainfer.passes import Pass, PassManager, PassRecord, get_pass
 from metainfer.verify import mismatch
 
@@ -27,7 +27,7 @@ def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.G
     of 1 stay specialised, as Dynamo does); with `dynamic=None`, those marked with
     `torch._dynamo.mark_dynamic`. The inputs list then holds ints for the symbols:
     `graph_inputs(gm, tensors)` builds it for other sizes."""
-    from metainfer.capture import post_grad
+    from metainfer.lowering.capture import post_grad
     from metainfer.passes.lookahead import copy_graph
 
     box: dict = {}

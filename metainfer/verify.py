@@ -120,7 +120,7 @@ def _fresh_copy(gm):
 def bisect_captured(backend) -> BisectResult:
     """Search the graphs a MetainferBackend captured (capture=True) for the first pass whose
     inclusion makes a graph's outputs differ from running that graph eagerly."""
-    from metainfer.capture import DYNAMO_CONFIG
+    from metainfer.lowering.capture import DYNAMO_CONFIG
     from metainfer.lowering.backend import compile_graph
 
     for index, (gm, inputs) in enumerate(backend.captured):

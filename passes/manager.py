@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from metainfer.fxops import is_c10d
 
+from . import ranks
 from .base import Pass, PassContext, PassResult
 from .matching import shape, tensor_val
 
@@ -149,9 +150,7 @@ class PassManager(CustomGraphPass):
         self.schedule = None  # the simulator's Schedule of the graph after the last pass
         self.simulation_error: str | None = None
         self.invocations = 0
-        from metainfer import distributed
-
-        job = distributed.job_identity()  # each rank compiles (and agrees) for itself
+        job = ranks.job_identity()  # each rank compiles (and agrees) for itself
         self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit, **job})
 
     def uuid(self) -> str:

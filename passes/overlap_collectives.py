@@ -16,7 +16,7 @@ The new order is kept only if the simulator predicts a shorter step, its peak of
 activations stays within the memory bound (pass option / target `[passes]`
 `overlap_memory_bytes`, else the old peak plus OVERLAP_MEMORY_FRACTION of device memory),
 and every rank of every group the graph's collectives run on has the same collective
-sequence (checked across the ranks; see metainfer.distributed.collective_order_mismatch).
+sequence (checked across the ranks; see metainfer.passes.ranks.collective_order_mismatch).
 Otherwise the graph is left as it was and the report says why.
 """
 
@@ -31,6 +31,7 @@ from metainfer import cost
 from metainfer.fxops import VIEW_NAMES, is_c10d, op_name
 from metainfer.simulate import COLLECTIVE_OPS, GraphTimeline, group_name
 
+from . import ranks
 from .base import Pass, PassContext, PassResult, register
 from .matching import Node, location, tensor_val
 
@@ -235,8 +236,6 @@ class OverlapCollectives(Pass):
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        from metainfer import distributed
-
         res = PassResult(modified=False)
         old = list(graph.nodes)
         if not any(is_collective(n) for n in old):
@@ -263,7 +262,7 @@ class OverlapCollectives(Pass):
 
         lookahead = in_lookahead(ctx)
         if not lookahead:  # every rank takes part, so every rank takes the same decision
-            disagree = distributed.collective_order_mismatch(collective_signature(new if why is None else old),
+            disagree = ranks.collective_order_mismatch(collective_signature(new if why is None else old),
                                                              group_names(old), proposing=why is None)
             if why is None and disagree:
                 why = f"overlap_collectives refused: collective order differs between ranks ({disagree}); order kept"

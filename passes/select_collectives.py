@@ -12,7 +12,7 @@ size on the target.
                         that is never offered as "two-shot".
 
 `flat(x)` is x flattened and zero-padded to a multiple of the group size; the result is cut
-back and reshaped. Hierarchical runs on the island sub-groups `metainfer.distributed`
+back and reshaped. Hierarchical runs on the island sub-groups `metainfer.passes.ranks`
 creates for the target (reduce-scatter inside each island, all-reduce of the shard across
 islands between the ranks at the same position, all-gather inside the island): only the
 shard crosses the slow boundary. Every rank rewrites its graph identically (the decision
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from metainfer import cost
 
+from . import ranks
 from .base import Pass, PassContext, PassResult, register
 from .matching import Node, insert_call, location, shape, tensor_val
 
@@ -56,7 +57,7 @@ def _group(name: str):
         return None
 
 
-_AGREED: dict[str, bool] = {}
+_AGREED: dict[str, bool] = ranks.job_cache()
 
 
 def _symmetric_memory_available(target) -> bool:
@@ -65,27 +66,24 @@ def _symmetric_memory_available(target) -> bool:
     rank picks them while another does not."""
     if target.device.kind != "cuda" or not target.topology.p2p:  # the same answer on every rank
         return False
-    from metainfer import distributed
     from metainfer.lowering import symm_mem
 
     world = dist.group.WORLD.group_name if dist.is_available() and dist.is_initialized() else ""
     if world not in _AGREED:
         local = symm_mem.available(target.device.kind)
         if world and dist.get_backend() != "fake":
-            local = all(distributed.exchange(local, world))
+            local = all(ranks.exchange(local, world))
         _AGREED[world] = local
     return _AGREED[world]
 
 
-def allowed_algorithms(target, ranks: tuple[int, ...]) -> set[str]:
-    """The all-reduce algorithms this pass may pick for a group of `ranks` on `target`:
+def allowed_algorithms(target, members: tuple[int, ...]) -> set[str]:
+    """The all-reduce algorithms this pass may pick for a group of ranks `members` on `target`:
     the ring always; hierarchical on the whole job's island groups; one-/two-shot where P2P
     kernels exist on every rank."""
-    from metainfer import distributed
-
     allowed = {"ring"}
-    if (dist.is_available() and dist.is_initialized() and len(ranks) == dist.get_world_size()
-            and distributed.island_groups(target) is not None):
+    if (dist.is_available() and dist.is_initialized() and len(members) == dist.get_world_size()
+            and ranks.island_groups(target) is not None):
         allowed.add("hierarchical")
     if _symmetric_memory_available(target):
         allowed |= {"one_shot", "two_shot"}
@@ -100,12 +98,10 @@ class SelectCollectives(Pass):
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
-        from metainfer import distributed
-
         res = PassResult(modified=False)
         target = ctx.target
         low = transport_dtype(ctx)
-        groups = distributed.island_groups(target) if dist.is_available() and dist.is_initialized() else None
+        groups = ranks.island_groups(target) if dist.is_available() and dist.is_initialized() else None
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not c10d.all_reduce.default:
@@ -117,9 +113,9 @@ class SelectCollectives(Pass):
             if len(waits) != 1 or len(node.users) != 1 or val is None or pg is None:
                 res.near_misses.append(f"{location(node)}: all_reduce kept: not a single wait on a known group")
                 continue
-            ranks = tuple(dist.get_process_group_ranks(pg))
-            n = len(ranks)
-            if n < 2 or max(ranks) >= target.num_devices:
+            members = tuple(dist.get_process_group_ranks(pg))
+            n = len(members)
+            if n < 2 or max(members) >= target.num_devices:
                 continue
             if op != "sum":
                 res.near_misses.append(f"{location(node)}: all_reduce kept: reduce op {op!r} (only sum is rewritten)")
@@ -130,8 +126,8 @@ class SelectCollectives(Pass):
                 continue
             narrow = low is not None and val.dtype.is_floating_point and val.element_size() > low.itemsize
             nbytes = numel * (low.itemsize if narrow else val.element_size())
-            allowed = allowed_algorithms(target, ranks)
-            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=ranks) if c.algorithm in allowed]
+            allowed = allowed_algorithms(target, members)
+            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=members) if c.algorithm in allowed]
             chosen = min(options, key=lambda c: c.seconds)
             ring = next(c for c in options if c.algorithm == "ring")
             others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)

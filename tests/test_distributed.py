@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import metainfer
 from metainfer import distributed, models, multirank, targets
+from metainfer.passes import ranks
 from metainfer.testing import tiny_hf_model
 
 TIMEOUT_S = int(os.environ.get("METAINFER_TEST_RANK_TIMEOUT", 240))
@@ -179,7 +180,7 @@ def test_inductor_lowering_keeps_the_overlap():
 
 
 def exchange_run(rank, world, absent):
-    """Each rank offers a value through distributed.exchange on the whole job and on a
+    """Each rank offers a value through ranks.exchange on the whole job and on a
     sub-group; `absent` skips the second round, so the others must time out naming it.
     Also the pass pipeline's key, which must differ per rank."""
     from datetime import timedelta
@@ -189,14 +190,14 @@ def exchange_run(rank, world, absent):
     dist.distributed_c10d._get_default_store().set_timeout(timedelta(seconds=3))
     world_group = dist.group.WORLD.group_name
     pair = dist.new_group([0, 1])
-    first = distributed.exchange({"rank": rank, "square": rank * rank}, world_group)
+    first = ranks.exchange({"rank": rank, "square": rank * rank}, world_group)
     second = None
     if rank in (0, 1):
-        second = distributed.exchange(rank + 10, pair.group_name)
+        second = ranks.exchange(rank + 10, pair.group_name)
     timeout = None
     if rank != absent:
         try:
-            distributed.exchange("again", world_group)
+            ranks.exchange("again", world_group)
         except TimeoutError as e:
             timeout = str(e)
     target = targets.get("pcie8")
@@ -287,7 +288,7 @@ def all_reduce_bytes(rank, world, algorithm, nbytes):
     run as the flat ring or as the hierarchical rewrite's three collectives, and whether
     the result is right."""
     t = distributed.emulated("pcie8", world)
-    groups = distributed.island_groups(t)
+    groups = ranks.island_groups(t)
     k = len(groups.islands[0])
     intra = dist.distributed_c10d._resolve_process_group(groups.intra_for(rank))
     cross = dist.distributed_c10d._resolve_process_group(groups.cross_for(rank))

@@ -11,10 +11,10 @@ simulator's step time for the graph after the passes, on the target. Measured: t
 wall time of the compiled graph's own calls (the backend times them; Dynamo's guards and the
 model wrapper are outside), after warm-up calls. Error = predicted / measured - 1.
 
-Without --target, the machine is calibrated first (`metainfer calibrate`, ranks skipped) and
-its TOML used. Then the pass decisions that can be measured on one CPU device (fuse_rmsnorm,
-fuse_swiglu, fuse_rope, fuse_attention in Llama's prefill and decode graphs; mla_decode's
-absorbed form in DeepSeek-V3's; mla_prefill and fuse_moe in DeepSeek-V3's prefill): what the
+Without --target, the machine is calibrated first (`metainfer calibrate`, gloo over the
+--ranks job sizes) and its TOML used. Then the pass decisions that can be measured on one
+CPU device (fuse_rmsnorm, fuse_swiglu, fuse_rope, fuse_attention in Llama's prefill and
+decode graphs; mla_decode's absorbed form in DeepSeek-V3's; mla_prefill and fuse_moe in DeepSeek-V3's prefill): what the
 cost model predicts for the pass (its record's predicted step before and after, with the cost
 gates off so every pass runs; mla_decode: whether it absorbed, which it decides by the
 simulator) against the measured graph time with the pass (forced where it declined) and with

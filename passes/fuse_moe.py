@@ -32,7 +32,7 @@ from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
-from .fp8_dequant import find_dequant
+from .fp8_dequant import NotDequant, find_dequant
 from .matching import (
     CONVERT_OPS, FLOAT_DTYPES, Node, aten, dtype, escaping_uses, insert_call, is_op, is_reshape, is_size_read, location, peel, shape,
     silu_input, uncast, untransposed,
@@ -73,7 +73,7 @@ class FuseMoE(Pass):
         for node in list(graph.nodes):
             try:
                 site = _match(node)
-            except base.NearMiss as e:  # its own, or fp8_dequant's (a scale it cannot prove)
+            except (NearMiss, NotDequant) as e:  # its own, or fp8_dequant's (a scale it cannot prove)
                 res.near_misses.append(f"{location(node)}: experts not fused: {e}")
                 continue
             if site is None:

@@ -417,7 +417,7 @@ def constant_value(n: Any) -> float | None:
 def untransposed(n: Any, rank: "int | None" = None) -> "Node | None":
     """W if `n` is W with its last two dims swapped (a permute, or aten.t of a 2-D W), of
     rank `rank` where given; else None."""
-    if is_op(n, aten.t) and rank in (None, 2):
+    if is_op(n, aten.t) and rank in (None, 2) and ndim(n.args[0]) == 2:
         return n.args[0]
     if is_op(n, aten.permute):
         r = len(n.args[1])

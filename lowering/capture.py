@@ -36,12 +36,12 @@ def post_grad(gm: torch.fx.GraphModule, example_inputs: list, at_slot):
 
     def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
-        fx_gm = joint_graph_passes(fx_gm, device)
-        view_to_reshape(fx_gm)  # Inductor's first post-grad step, before its passes
         slot = _Slot(at_slot)
-        with V.set_fake_mode(torch._guards.detect_fake_mode(inputs)), \
-                inductor_config.patch(post_grad_custom_pre_pass=None, post_grad_custom_post_pass=slot):
-            post_grad_passes(fx_gm, is_inference=True)
+        with V.set_fake_mode(torch._guards.detect_fake_mode(inputs)):
+            fx_gm = joint_graph_passes(fx_gm, device)
+            view_to_reshape(fx_gm)  # Inductor's first post-grad step, before its passes
+            with inductor_config.patch(post_grad_custom_pre_pass=None, post_grad_custom_post_pass=slot):
+                post_grad_passes(fx_gm, is_inference=True)
         fx_gm.recompile()
         return make_boxed_func(fx_gm.forward if slot.result is None else slot.result)
 

@@ -27,9 +27,15 @@ def _ops(graph) -> list[str]:
     return [str(n.target) for n in graph.nodes if n.op == "call_function"]
 
 
-@pytest.mark.parametrize("arch", ["Llama", "DeepseekV3"])
-def test_the_passes_see_one_graph_under_every_lowering(arch, tmp_path):
-    model = tiny_hf_model(arch, attn="eager", layers=2)
+DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                n_shared_experts=1, first_k_dense_replace=1)
+
+
+@pytest.mark.parametrize("arch,config", [("Llama", {}), ("DeepseekV3", DEEPSEEK)])
+def test_the_passes_see_one_graph_under_every_lowering(arch, config, tmp_path):
+    model = tiny_hf_model(arch, attn="eager", layers=2, **config)
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     seen = {}
     for lowering in ("inductor", "aot_eager"):

@@ -178,7 +178,7 @@ class MetainferBackend:
         if self.capture:
             compiled = self._capturing(compiled, original)
         if self.time_calls:
-            compiled = _timed(compiled, section.call_seconds)
+            compiled = timed(compiled, section.call_seconds)
         return compiled
 
     def _capturing(self, compiled, original: torch.fx.GraphModule):
@@ -195,7 +195,8 @@ class MetainferBackend:
         return run
 
 
-def _timed(compiled: Callable, seconds: list) -> Callable:
+def timed(compiled: Callable, seconds: list) -> Callable:
+    """`compiled` that appends the wall time of each call to `seconds`."""
     def run(*args):
         t0 = time.perf_counter()
         out = compiled(*args)

@@ -166,6 +166,8 @@ def measure_kernel_overhead(layers: int = 32, size: int = 16) -> float:
     import torch
     from torch._inductor.compile_fx import compile_fx
 
+    from metainfer.lowering.backend import timed
+
     class Stack(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -182,15 +184,7 @@ def measure_kernel_overhead(layers: int = 32, size: int = 16) -> float:
     seconds = []
 
     def backend(gm, example_inputs):
-        compiled = compile_fx(gm, example_inputs)
-
-        def run(*args):
-            t0 = time.perf_counter()
-            out = compiled(*args)
-            seconds.append(time.perf_counter() - t0)
-            return out
-
-        return run
+        return timed(compile_fx(gm, example_inputs), seconds)
 
     model = Stack().eval()
     compiled = torch.compile(model, backend=backend, dynamic=False)

@@ -19,8 +19,9 @@ cost model predicts for the pass (its record's predicted step before and after, 
 gates off so every pass runs; mla_decode: whether it absorbed, which it decides by the
 simulator) against the measured graph time with the pass (forced where it declined) and with
 it disabled (with fuse_attention for mla_prefill, which would fuse the same attention), each
-twice in the order with, without, without, with (the means cancel a drift of the machine); a
-measured difference under 5% agrees with either choice.
+twice: with it (the case's first run, or a forced run), without it twice, then with it again;
+the means of each pair are compared (a drift of the machine between the pairs cancels, fully
+for a case's first decision); a measured difference under 5% agrees with either choice.
 
 Then the same on gloo ranks of this machine (bench/validate_ranks.py): tensor-parallel prefill
 steps of Llama over 2 and 4 ranks with the communication passes on and off, and the
@@ -193,7 +194,8 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
                     pays = all(r.predicted_after_s <= r.predicted_before_s for r in fired)
                     force = None
                 disable = ALTERNATIVE.get(pass_name, (pass_name,))
-                # with, without, without, with: the mean of each pair cancels a drift of the machine
+                # with, without, without, with: the mean of each pair cancels a drift of the machine (the
+                # first 'with' is the case's base run, so it sits next to the rest only for its first decision)
                 ons = [_phase_time(base if force is None else measured(force=force), phase)]
                 offs = [_phase_time(measured(disable=disable), phase) for _ in range(2)]
                 ons.append(_phase_time(measured(force=force), phase))

@@ -131,15 +131,20 @@ def measure_weight_streaming(quick: bool = False) -> dict[int, float]:
 
 def cache_level(stream_gbs: dict[int, float]) -> tuple[float, float]:
     """(MiB, GB/s) of the cache level a streaming sweep shows, or (0, 0) where no set streams
-    1.3x as fast as the largest (no level worth modelling). The level holds the largest set
-    still streaming at least halfway between the fastest rate and the largest set's; its
-    bandwidth is the median rate of the sets it holds (the smallest pay more per call)."""
+    1.3x as fast as the largest (no level worth modelling). The level holds the sets from the
+    smallest up to the last before one streams below halfway between the fastest rate and the
+    largest set's (a noisy fast reading further up does not count); its bandwidth is the
+    median rate of the sets it holds (the smallest pay more per call)."""
     sizes = sorted(stream_gbs)
     near, far = max(stream_gbs.values()), stream_gbs[sizes[-1]]
-    if near < 1.3 * far:
+    if near < 1.3 * far or stream_gbs[sizes[0]] < (near + far) / 2:
         return 0.0, 0.0
-    fits = [s for s in sizes if stream_gbs[s] >= (near + far) / 2]
-    return float(max(fits)), statistics.median(stream_gbs[s] for s in fits)
+    fits = []  # the sizes from the smallest up to the first that streams below halfway
+    for s in sizes:
+        if stream_gbs[s] < (near + far) / 2:
+            break
+        fits.append(s)
+    return float(fits[-1]), statistics.median(stream_gbs[s] for s in fits)
 
 
 def measure_memory_overlap(peak_gflops: float, memory_gbs: float, quick: bool = False) -> float:

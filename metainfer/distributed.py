@@ -75,9 +75,9 @@ def emulated(target, world: int, device_kind: str = "cpu") -> _targets.Target:
     topo = dataclasses.replace(t.topology, islands=islands,
                                inter_island=t.topology.inter_island if m > 1 else None)
     dev = dataclasses.replace(t.device, kind=device_kind)
-    ranks = f"{world} CPU ranks" if device_kind == "cpu" else f"{world} {device_kind} ranks"
+    where = f"{world} CPU ranks" if device_kind == "cpu" else f"{world} {device_kind} ranks"
     return dataclasses.replace(t, name=f"{t.name}@{m}x{k}", num_devices=world, device=dev, topology=topo,
-                               description=f"{t.description}, emulated on {ranks} ({m} island(s) of {k})"
+                               description=f"{t.description}, emulated on {where} ({m} island(s) of {k})"
                                            + (" with gloo" if device_kind == "cpu" else ""))
 
 

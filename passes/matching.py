@@ -45,7 +45,6 @@ def is_reshape(n: Any) -> bool:
     return is_op(n, *VIEW_OPS)
 
 
-
 def val(n: Any):
     return n.meta.get("val") if isinstance(n, Node) else None
 
@@ -116,8 +115,6 @@ def reduces_last_dim(n: Node, rank: int) -> bool:
     return bool(keep) and isinstance(dims, (list, tuple)) and len(dims) == 1 and norm_dim(dims[0], rank) == rank - 1
 
 
-
-
 def is_noop_expand(n: Node) -> bool:
     return is_op(n, aten.expand) and shape(n) is not None and same_shape(shape(n), shape(n.args[0]) or ())
 
@@ -160,12 +157,6 @@ def skip_noop_views(n: Any) -> Any:
     return peel(n, is_noop_view)[0]
 
 
-
-
-
-
-
-
 def escaping_uses(nodes: Iterable[Node], inside: "set[Node]", exits: Iterable[Node] = (),
                   size_reads: bool = False) -> "list[tuple[Node, Node]]":
     """(node, user) for every use of one of `nodes` by a node outside `inside`, in the order of
@@ -196,8 +187,6 @@ def location(n: Node) -> str:
 
 def order(graph: torch.fx.Graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
-
-
 
 
 def fake_call(target, args: tuple, kwargs: dict | None = None):
@@ -385,8 +374,6 @@ def rehome_size_reads(graph: torch.fx.Graph, region: set[Node]) -> None:
     for n in region:
         for u in [u for u in n.users if is_size_read(u)]:
             u.replace_all_uses_with(sym_size_node(graph, u, u.meta["val"], exclude=region))
-
-
 
 
 def silu_input(n: Any) -> "tuple[Node, list[Node]] | None":

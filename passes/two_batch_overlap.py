@@ -28,13 +28,20 @@ import operator
 
 import torch
 
-from metainfer.fxops import op_name
+from metainfer import fxops
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import Node, insert_call, is_reshape, location, shape, tensor_val
 
 aten = torch.ops.aten
+
+
+def _name(n: Node) -> tuple[str, str]:
+    """(namespace, name) of an ATen or metainfer op; ("", "") for a Python callable (getitem,
+    SymInt arithmetic), which no rule below is about."""
+    ns, name = fxops.op_name(n)
+    return ("", "") if ns == "python" else (ns, name)
 
 
 class Unsplittable(base.NearMiss):
@@ -74,7 +81,7 @@ class BatchTrace:
         self.permuted: set[Node] = set()  # between a reduce-scatter and its all-gather
         self.halved: set[Node] = set()  # slices of the batch dimension whose bounds halve with it
         inputs = [n for n in graph.nodes if n.op == "placeholder"]
-        ids = [n for n in graph.nodes if op_name(n) == ("aten", "embedding")]
+        ids = [n for n in graph.nodes if _name(n) == ("aten", "embedding")]
         if not ids:
             raise Unsplittable("no token-id input (no embedding): the batch cannot be found")
         self.batch = shape(ids[0].args[1])[0] if shape(ids[0].args[1]) else None
@@ -130,7 +137,7 @@ class BatchTrace:
         self.slices.setdefault(n, {})[a] = j
 
     def _trace(self, n: Node):
-        ns, name = op_name(n)
+        ns, name = _name(n)
         args = n.args
         inner = {a in self.permuted for a in n.all_input_nodes if self.d(a) is not None}
         if inner == {True, False}:
@@ -368,7 +375,7 @@ def split(graph: torch.fx.Graph, trace: BatchTrace) -> int:
 
             new_args = [arg(a) for a in n.args]
             new_kwargs = {k: arg(v) for k, v in n.kwargs.items()}
-            _, name = op_name(n)
+            _, name = _name(n)
             if is_reshape(n) or name == "expand":
                 size = list(tensor_val(n).shape)
                 size[dn] //= 2

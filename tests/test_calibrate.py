@@ -61,6 +61,8 @@ def test_the_cache_level_from_a_streaming_sweep_by_hand():
     sweep = {8: 48.0, 64: 46.0, 96: 36.0, 128: 28.0, 256: 18.5, 512: 18.0}
     assert calibrate.cache_level(sweep) == (96.0, 46.0)
     assert calibrate.cache_level({8: 20.0, 512: 18.0}) == (0.0, 0.0)  # no level worth modelling
+    # a noisy fast reading at 256 MiB past a slow 128 MiB does not extend the level
+    assert calibrate.cache_level({**sweep, 256: 40.0}) == (96.0, 46.0)
     m = _measured()
     m.stream_gbs, (m.cache_mib, m.cache_gbs) = {str(k): v for k, v in sweep.items()}, calibrate.cache_level(sweep)
     t = targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")

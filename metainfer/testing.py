@@ -19,14 +19,16 @@ from metainfer.verify import mismatch
 
 
 def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.GraphModule, list]:
-    """The graph metainfer's passes would see for `fn(*inputs)`: Dynamo capture, then
-    AOTAutograd with Inductor's decompositions (functional ATen with fake-tensor metadata).
+    """The graph metainfer's passes would see for `fn(*inputs)`: Dynamo capture, AOTAutograd with
+    Inductor's decompositions, Inductor's graph passes up to the slot where the pass manager
+    runs (functional ATen with fake-tensor metadata; the same graph under every lowering).
     Returns the graph and its inputs in the graph's order (Dynamo orders them by first use;
     a module's parameters are inputs too). With `dynamic=True` every size is symbolic (sizes
     of 1 stay specialised, as Dynamo does); with `dynamic=None`, those marked with
     `torch._dynamo.mark_dynamic`. The inputs list then holds ints for the symbols:
     `graph_inputs(gm, tensors)` builds it for other sizes."""
     from metainfer.lowering.capture import post_grad
+    from metainfer.passes.lookahead import copy_graph
 
     box: dict = {}
 
@@ -36,7 +38,8 @@ def capture_graph(fn, *inputs, dynamic: bool | None = False) -> tuple[torch.fx.G
         def keep(fx_gm):
             if "gm" in box:
                 raise RuntimeError("capture_graph: the function has a graph break; capture one graph at a time")
-            box["gm"] = fx_gm
+            # a copy as the passes' slot sees it (Inductor's later post-grad passes go on with the original)
+            box["gm"] = torch.fx.GraphModule(fx_gm, copy_graph(fx_gm.graph))
 
         return post_grad(gm, example_inputs, keep)
 

@@ -272,19 +272,21 @@ def _safe_softmax(p: Node) -> tuple[Node, list[Node]] | None:
 
 
 def _inductor_scaled_softmax(d: Node) -> tuple[Node, list[Node]] | None:
-    """Inductor's joint-graph rewrite of softmax(x * c) for a scalar c (when no mask sits in
-    between, e.g. a decode step): exp(where(row finite, (x*sign - amax(x*sign)) * (sign*c),
-    x*c - amax(x*c))). Both branches are the same logits; returns (x * c, the nodes)."""
+    """Inductor's joint-graph rewrite of softmax(x * c) or softmax(x / c) for a scalar c (when
+    no mask sits in between, e.g. a decode step): exp(where(row finite, (x*sign - amax(x*sign))
+    * (sign*c) [or / (sign*c)], x*c - amax(x*c) [x/c - ...])). Both branches are the same
+    logits; returns (x * c or x / c, the nodes)."""
     if not is_op(d, aten.where):
         return None
     cond, stable, plain = d.args
     if not (is_op(plain, aten.sub) and is_op(plain.args[1], aten.amax) and plain.args[1].args[0] is plain.args[0]):
         return None
     logits = plain.args[0]
-    if not (is_op(logits, aten.mul) and is_scalar(logits.args[1]) and isinstance(logits.args[0], Node)):
+    scaling = next((op for op in (aten.mul, aten.div) if is_op(logits, op)), None)
+    if scaling is None or not (is_scalar(logits.args[1]) and isinstance(logits.args[0], Node)):
         return None
     x, c = logits.args
-    if not (is_op(stable, aten.mul) and is_scalar(stable.args[1]) and is_op(stable.args[0], aten.sub)):
+    if not (is_op(stable, scaling) and is_scalar(stable.args[1]) and is_op(stable.args[0], aten.sub)):
         return None
     sub = stable.args[0]
     signed, mx = sub.args[0], sub.args[1]

@@ -37,7 +37,11 @@ def post_grad(gm: torch.fx.GraphModule, example_inputs: list, at_slot):
     def fw_compiler(fx_gm: torch.fx.GraphModule, inputs):
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), None)
         slot = _Slot(at_slot)
-        with V.set_fake_mode(torch._guards.detect_fake_mode(inputs)):
+        # constant folding evaluates tensors; meta ones hold no values (analyze() on a real-size
+        # model), and the folder then removes most of the graph as no-ops
+        folding = inductor_config.joint_graph_constant_folding and getattr(device, "type", None) != "meta"
+        with V.set_fake_mode(torch._guards.detect_fake_mode(inputs)), \
+                inductor_config.patch(joint_graph_constant_folding=folding):
             fx_gm = joint_graph_passes(fx_gm, device)
             view_to_reshape(fx_gm)  # Inductor's first post-grad step, before its passes
             with inductor_config.patch(post_grad_custom_pre_pass=None, post_grad_custom_post_pass=slot):

@@ -10,7 +10,7 @@ Checks (bf16 unless said; shapes of a Llama-3-8B / DeepSeek-V3 layer at batch si
 attention prefill (causal, 1 x 32/8 heads x 4096, d128), decode (64 x 1 query over 4096 keys) and
 batch-1 decode over 16384 keys (keys split over programs, flash-decoding) against SDPA (flash);
 paged attention (a prefill chunk batch and a 64-request decode step over a paged pool) against
-SDPA on the gathered keys; rmsnorm, swiglu, rope against their eager torch forms; fp8_gemm W8A16
+SDPA on the gathered keys; rmsnorm, swiglu, geglu, rope against their eager torch forms; fp8_gemm W8A16
 at decode (M=16; M=4 over a 2048 x 7168 weight, split-K) and prefill (M=4096) shapes against
 dequantise + cuBLAS matmul; moe (256 experts, top 8, 2048 tokens) against the eager loop over
 experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and batch 1 over
@@ -138,12 +138,16 @@ def _rmsnorm(dev, f):
             "reference": lambda: K.rmsnorm.reference(x, w, 1e-6, 0.0, dt), "torch": eager, "dtype": dt}
 
 
-def _swiglu(dev, f):
-    dt = torch.bfloat16
-    g, u = (torch.randn(_n(4096, f), 14336, device=dev, dtype=dt) for _ in range(2))
-    cfg = config_for("swiglu", g.device)
-    return {"ours": lambda: K.swiglu.launch(g, u, config=cfg), "reference": lambda: K.swiglu.reference(g, u),
-            "torch": lambda: F.silu(g) * u, "dtype": dt}
+def _glu(activation, n):
+    def build(dev, f):
+        dt = torch.bfloat16
+        g, u = (torch.randn(_n(4096, f), n, device=dev, dtype=dt) for _ in range(2))
+        cfg = config_for("glu", g.device)
+        act = (lambda g: F.silu(g)) if activation == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+        return {"ours": lambda: K.glu.launch(g, u, config=cfg, activation=activation),
+                "reference": lambda: K.glu.reference(g, u, activation), "torch": lambda: act(g) * u, "dtype": dt}
+
+    return build
 
 
 def _rope(dev, f):
@@ -240,7 +244,8 @@ CHECKS = [
     Check("paged_attention", "prefill chunks 8x512 after 2048", _paged(False)),
     Check("paged_attention", "decode 64 requests over 2048", _paged(True)),
     Check("rmsnorm", "4096 x 4096", _rmsnorm),
-    Check("swiglu", "4096 x 14336", _swiglu),
+    Check("glu", "silu 4096 x 14336", _glu("silu", 14336)),
+    Check("glu", "gelu_tanh 4096 x 16384", _glu("gelu_tanh", 16384)),
     Check("rope", "1x32x4096 d128", _rope),
     Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16)),
     Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),

@@ -23,7 +23,7 @@ import torch
 # could import triton.language.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from . import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, sparse_attention, swiglu, token_ids  # noqa: E402  (after the switch above)
+from . import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, sparse_attention, glu, token_ids  # noqa: E402  (after the switch above)
 from ._common import KernelInputError  # noqa: E402
 
 _override: list[bool] = []
@@ -58,6 +58,6 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpret_enabled()
 
 
-__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "paged_attention", "rmsnorm", "rope", "sparse_attention", "swiglu", "token_ids",
+__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "paged_attention", "rmsnorm", "rope", "sparse_attention", "glu", "token_ids",
            "KernelInputError", "INTERPRETED",
            "interpret", "interpret_enabled", "use_triton"]

@@ -35,7 +35,7 @@ from typing import Any, Callable
 # Guide's "Technical Specifications per Compute Capability": A100 163 KB, Ada 99 KB, H100 227 KB.
 ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 * 1024)}
 
-KERNEL_MODULES = ("attention", "rmsnorm", "swiglu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
+KERNEL_MODULES = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
                   "sparse_attention", "mla_decode")
 # kernels shared by several launchers (the merge of key splits), launched from their own module
 SHARED_MODULES = ("_flash",)
@@ -148,7 +148,7 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
     import torch
 
     from metainfer.kernels import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
-        sparse_attention, swiglu, token_ids
+        sparse_attention, glu, token_ids
     from metainfer.lowering.kernel_configs import config_for_arch
 
     bf16, f32, e4m3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -228,8 +228,11 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("rmsnorm", "bf16 4096 + residual",
          lambda arch: rmsnorm.launch(randn(8, 4096), randn(4096), 1e-6, 0.0, bf16, residual=randn(8, 4096),
                                      config=config_for_arch("rmsnorm", arch))),
-        ("swiglu", "bf16 8 x 11008",
-         lambda arch: swiglu.launch(randn(8, 11008), randn(8, 11008), config=config_for_arch("swiglu", arch))),
+        ("glu", "silu, bf16 8 x 11008",
+         lambda arch: glu.launch(randn(8, 11008), randn(8, 11008), config=config_for_arch("glu", arch))),
+        ("glu", "gelu_tanh, bf16 8 x 16384",
+         lambda arch: glu.launch(randn(8, 16384), randn(8, 16384), config=config_for_arch("glu", arch),
+                                 activation="gelu_tanh")),
         ("rope", "bf16 d128",
          lambda arch: rope.launch(randn(1, 8, 16, 128), randn(1, 1, 16, 128), randn(1, 1, 16, 128),
                                   config=config_for_arch("rope", arch))),

@@ -65,10 +65,10 @@ _ATTENTION = {
 _ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
 
 _POINTWISE = {
-    "interpreter": {"swiglu": dict(BLOCK_R=8, BLOCK_N=32), "rope": dict(BLOCK_R=8),
+    "interpreter": {"glu": dict(BLOCK_R=8, BLOCK_N=32), "rope": dict(BLOCK_R=8),
                     "rmsnorm": dict(elems_per_warp=256, max_warps=1), "token_ids": dict(BLOCK=16),
                     "paged_attention": dict(BLOCK_M=16, BLOCK_N=16)},
-    "cuda": {"swiglu": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=4), "rope": dict(BLOCK_R=16, num_warps=4),
+    "cuda": {"glu": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=4), "rope": dict(BLOCK_R=16, num_warps=4),
              "rmsnorm": dict(elems_per_warp=256, max_warps=16), "token_ids": dict(BLOCK=1024, num_warps=4),
              # rows are (token, query head of the group) pairs; decode splits keys 512 at a time
              "paged_attention": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, KEYS_PER_SPLIT=512,
@@ -79,7 +79,7 @@ _POINTWISE = {
 _TILED = {name: importlib.import_module(f"metainfer.kernels.{name}").DEFAULT_CONFIGS
           for name in ("fp8_gemm", "moe", "sparse_attention", "mla_decode")}
 
-KERNELS = ("attention", "rmsnorm", "swiglu", "rope", "token_ids", "paged_attention", *_TILED)
+KERNELS = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", *_TILED)
 
 # Streaming multiprocessors of each row's GPU (NVIDIA's specifications: A100 108, L40S 142,
 # H100/H200 132): the kernels that split work over more programs aim at this many. A CUDA

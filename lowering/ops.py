@@ -23,12 +23,12 @@ from metainfer.kernels import moe as _moe
 from metainfer.kernels import sparse_attention as _sparse_attention
 from metainfer.kernels import rmsnorm as _rmsnorm
 from metainfer.kernels import rope as _rope
-from metainfer.kernels import swiglu as _swiglu
+from metainfer.kernels import glu as _glu
 
 from . import kv_pool
 from .kernel_configs import config_for
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "rope", "fp8_linear", "moe_experts",
+__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "moe_experts",
            "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
@@ -79,15 +79,30 @@ def _(x, residual, weight, eps, weight_offset, out_dtype):
 
 @torch.library.custom_op("metainfer::swiglu", mutates_args=())
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up, see metainfer.kernels.swiglu."""
+    """silu(gate) * up, see metainfer.kernels.glu."""
+    return _gated(gate, up, "silu")
+
+
+@torch.library.custom_op("metainfer::geglu", mutates_args=())
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up, see metainfer.kernels.glu."""
+    return _gated(gate, up, "gelu_tanh")
+
+
+def _gated(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     if kernels.use_triton(gate):
-        return _swiglu.launch(gate, up, config=config_for("swiglu", gate.device))
-    return _swiglu.cpu_forward(gate, up).contiguous()
+        return _glu.launch(gate, up, config=config_for("glu", gate.device), activation=activation)
+    return _glu.cpu_forward(gate, up, activation).contiguous()
 
 
 @swiglu.register_fake
 def _(gate, up):
-    return gate.new_empty(gate.shape, dtype=_swiglu.out_dtype(gate, up))
+    return gate.new_empty(gate.shape, dtype=_glu.out_dtype(gate, up))
+
+
+@geglu.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape, dtype=_glu.out_dtype(gate, up))
 
 
 @torch.library.custom_op("metainfer::rope", mutates_args=())

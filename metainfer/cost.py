@@ -217,7 +217,7 @@ _DATA_MOVEMENT = {"clone", "copy", "copy_", "_to_copy", "contiguous", "cat", "st
 # it, so they launch nothing and move nothing of their own
 _CONSTANT_FILLS = {"full", "zeros", "ones", "scalar_tensor", "arange", "iota", "empty", "empty_strided"}
 # metainfer's pointwise-like fused ops: one FLOP-ish per output element, bytes dominate
-_FUSED_POINTWISE = {"rmsnorm", "add_rmsnorm", "rope", "swiglu"}
+_FUSED_POINTWISE = {"rmsnorm", "add_rmsnorm", "rope", "swiglu", "geglu"}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from metainfer.kernels import KernelInputError
 from metainfer.kernels import rmsnorm as R
 from metainfer.kernels import rope as P
-from metainfer.kernels import swiglu as S
+from metainfer.kernels import glu as G
 from metainfer.lowering.kernel_configs import config_for
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
@@ -43,15 +43,22 @@ def test_rmsnorm(dtype, rows, n, offset, residual, out_f32, interpret):
 
 @settings(max_examples=30, deadline=None)
 @given(dtype=DTYPES, rows=st.lists(st.integers(1, 6), min_size=1, max_size=3), n=st.integers(1, 200),
-       packed=st.booleans())
-def test_swiglu(dtype, rows, n, packed, interpret):
+       packed=st.booleans(), activation=st.sampled_from(G.ACTIVATIONS))
+def test_glu(dtype, rows, n, packed, activation, interpret):
     if packed:  # the two halves of one fused gate_up projection: strided views
         gate, up = torch.randn(*rows, 2 * n, dtype=dtype).chunk(2, dim=-1)
     else:
         gate, up = torch.randn(*rows, n, dtype=dtype), torch.randn(*rows, n, dtype=dtype)
-    got = S.launch(gate, up, config=config_for("swiglu", gate.device))
-    close(got, S.reference(gate, up), dtype)
-    close(S.cpu_forward(gate, up), S.reference(gate, up), dtype)
+    got = G.launch(gate, up, config=config_for("glu", gate.device), activation=activation)
+    close(got, G.reference(gate, up, activation), dtype)
+    close(G.cpu_forward(gate, up, activation), G.reference(gate, up, activation), dtype)
+
+
+def test_glu_gelu_tanh_saturates_like_torch():
+    """Large |gate|: the kernel's tanh from exp must give gate * up and 0, not NaN."""
+    gate, up = torch.tensor([[-60.0, -8.0, 0.0, 8.0, 60.0]]), torch.ones(1, 5)
+    got = G.launch(gate, up, config=config_for("glu", gate.device), activation="gelu_tanh")
+    close(got, torch.nn.functional.gelu(gate, approximate="tanh"), torch.float32)
 
 
 @settings(max_examples=30, deadline=None)
@@ -80,7 +87,9 @@ def test_rope_reference_is_rotate_half():
     (lambda: R.launch(torch.randn(8, 4).t(), torch.randn(8), 1e-6, 0.0, torch.float32, config={}), "unit stride"),
     (lambda: R.launch(torch.randn(4, 8), torch.randn(8), 1e-6, 0.0, torch.float32,
                       residual=torch.randn(4, 9), config={}), "residual shape"),
-    (lambda: S.launch(torch.randn(4, 8), torch.randn(4, 9), config=config_for("swiglu", torch.device("cpu"))), "shape"),
+    (lambda: G.launch(torch.randn(4, 8), torch.randn(4, 9), config=config_for("glu", torch.device("cpu"))), "shape"),
+    (lambda: G.launch(torch.randn(4, 8), torch.randn(4, 8), config=config_for("glu", torch.device("cpu")),
+                      activation="relu"), "activation"),
     (lambda: P.launch(torch.randn(2, 7), torch.randn(7), torch.randn(7), config=config_for("rope", torch.device("cpu"))), "even"),
     (lambda: P.launch(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), config=config_for("rope", torch.device("cpu"))), "broadcast"),
 ])

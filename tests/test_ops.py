@@ -22,6 +22,7 @@ def cases():
         (m.rmsnorm.default, (x.bfloat16(), w.bfloat16(), 1e-6, 1.0, torch.float32)),
         (m.add_rmsnorm.default, (x, r, w, 1e-5, 0.0, torch.float32)),
         (m.swiglu.default, (gu[:, :24], gu[:, 24:])),
+        (m.geglu.default, (gu[:, :24], gu[:, 24:])),
         (m.rope.default, (q, torch.randn(5, 16), torch.randn(1, 1, 5, 16))),
         *deepseek_cases(),
     ]

@@ -176,9 +176,39 @@ def test_rope_not_fused_on_wrong_rotation():
     assert rec.matches == 0
 
 
-def test_rope_not_fused_when_cos_broadcasts_x():
+def test_rope_not_fused_when_cos_broadcasts_x_or_is_float64():
     def f(x, cos, sin):
         return x * cos + rotate_half(x) * sin
 
     rec, _ = apply("fuse_rope", f, torch.randn(5, 8), torch.randn(3, 5, 8), torch.randn(3, 5, 8))
-    assert rec.matches == 0 and "broadcast" in rec.near_misses[0]
+    assert rec.matches == 0 and "not fused" in rec.near_misses[0]
+    rec, _ = apply("fuse_rope", f, torch.randn(5, 8), torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8))
+    assert rec.matches == 0 and "dtype" in rec.near_misses[0]
+
+
+# ---- GeGLU (docs/adding-a-pass.md's worked example) ---------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_fires_on_gemmas_mlp(dtype):
+    def mlp(x, wg, wu, wd):  # Gemma: down(gelu_pytorch_tanh(gate(x)) * up(x))
+        return (F.gelu(x @ wg.t(), approximate="tanh") * (x @ wu.t())) @ wd.t()
+
+    x, wg, wu, wd = (torch.randn(*s, dtype=dtype) for s in ((2, 3, 16), (24, 16), (24, 16), (16, 24)))
+    rec, _ = apply("fuse_geglu", mlp, x, wg, wu, wd, expect_op=mi.geglu.default)
+    assert rec.matches == 1 and "geglu" in rec.decisions[0]
+
+
+def test_geglu_does_not_fire_on_exact_gelu_or_broadcast():
+    exact, _ = apply("fuse_geglu", lambda g, u: F.gelu(g) * u, torch.randn(4, 8), torch.randn(4, 8))
+    assert exact.matches == 0 and not exact.near_misses  # erf GeLU: another function, no tanh to anchor on
+    bcast, _ = apply("fuse_geglu", lambda g, u: F.gelu(g, approximate="tanh") * u, torch.randn(4, 8), torch.randn(8))
+    assert bcast.matches == 0 and "broadcast" in bcast.near_misses[0]
+
+
+def test_geglu_on_hugging_face_gemma():
+    from metainfer.testing import tiny_hf_model
+
+    model = tiny_hf_model("Gemma", hidden_activation="gelu_pytorch_tanh")
+    ids = torch.randint(3, 100, (2, 8))
+    rec, after = apply("fuse_geglu", model, ids, expect_op=mi.geglu.default)
+    assert rec.matches == model.config.num_hidden_layers

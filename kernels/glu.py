@@ -1,0 +1,76 @@
+"""Gated linear units: act(gate) * up, in float32, rounded once to promote(gate, up).
+
+act is silu (SwiGLU: Llama, Mistral, Qwen) or GeLU's tanh approximation (GeGLU: Gemma's
+`gelu_pytorch_tanh`), chosen at compile time. gate and up may be strided views (e.g. the two
+halves of one fused gate_up projection), as long as each is (rows, N) with unit stride along N.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import as_rows, check, check_float
+
+NAME = "glu"
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@triton.jit
+def _glu_fwd(G, U, Y, n_rows, n_cols, stride_g, stride_u, stride_y,
+             ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ACT == "silu":
+        a = g / (1.0 + tl.exp(-g))
+    else:  # gelu_tanh: 0.5 g (1 + tanh(z)), tanh(z) = 1 - 2 / (1 + exp(2z)) (exact at both ends)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=ok)
+
+
+def check_inputs(gate, up, activation: str = "silu") -> None:
+    check(activation in ACTIVATIONS, NAME, f"activation {activation!r} is not one of {ACTIVATIONS}")
+    check_float(NAME, "gate", gate)
+    check_float(NAME, "up", up)
+    check(gate.shape == up.shape, NAME, f"gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    check(gate.device == up.device, NAME, "gate and up are on different devices")
+    check(gate.dim() >= 1, NAME, "gate must have at least one dimension")
+
+
+def out_dtype(gate, up) -> torch.dtype:
+    return torch.promote_types(gate.dtype, up.dtype)
+
+
+def launch(gate, up, *, config: dict, activation: str = "silu") -> torch.Tensor:
+    check_inputs(gate, up, activation)
+    g2, u2 = as_rows(NAME, "gate", gate), as_rows(NAME, "up", up)
+    y = torch.empty(gate.shape, dtype=out_dtype(gate, up), device=gate.device)
+    y2 = y.view(-1, gate.shape[-1])
+    n_rows, n_cols = g2.shape
+    if y.numel():
+        br, bn = config["BLOCK_R"], config["BLOCK_N"]
+        grid = (triton.cdiv(n_rows, br), triton.cdiv(n_cols, bn))
+        _glu_fwd[grid](g2, u2, y2, n_rows, n_cols, g2.stride(0), u2.stride(0), y2.stride(0),
+                       ACT=activation, BLOCK_R=br, BLOCK_N=bn, num_warps=config.get("num_warps", 4))
+    return y
+
+
+def reference(gate, up, activation: str = "silu") -> torch.Tensor:
+    g = gate.float()
+    act = torch.nn.functional.silu(g) if activation == "silu" else torch.nn.functional.gelu(g, approximate="tanh")
+    return (act * up.float()).to(out_dtype(gate, up))
+
+
+def cpu_forward(gate, up, activation: str = "silu") -> torch.Tensor:
+    check_inputs(gate, up, activation)
+    return reference(gate, up, activation)
+
+
+assert abs(0.7978845608028654 - math.sqrt(2 / math.pi)) < 1e-15  # the kernel's sqrt(2/pi)

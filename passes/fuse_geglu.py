@@ -1,0 +1,55 @@
+"""fuse_geglu: gelu_tanh(gate) * up -> metainfer::geglu (Gemma's MLP, `gelu_pytorch_tanh`).
+
+The worked example of docs/adding-a-pass.md: the pattern is the model's math, the
+replacement one op call, the proof what the pattern cannot say (no broadcasting, float
+dtypes). GeLU's exact (erf) form is a different function and is left alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+from .base import register
+from .matching import FLOAT_DTYPES, aten, dtype, is_op, same_shape, shape
+from .rules import Rule, RulePass, positional
+
+
+def _rules():
+    for up_first, dt in itertools.product((False, True), (torch.float32, torch.bfloat16)):
+        def pattern(gate, up, up_first=up_first):
+            act = F.gelu(gate, approximate="tanh")
+            return up * act if up_first else act * up
+
+        yield Rule("gelu_tanh(gate) * up", "geglu", positional(pattern, ("gate", "up")),
+                   lambda gate, up: torch.ops.metainfer.geglu(gate, up),
+                   lambda dt: [torch.empty(2, 4, 8, dtype=dt), torch.empty(2, 4, 8, dtype=dt)], dt,
+                   check=_proof, describe=lambda m: f"{list(shape(m.kwargs['gate']))}")
+
+
+def _proof(m) -> str | None:
+    gate, up, out = m.kwargs["gate"], m.kwargs["up"], m.output_nodes()[0]
+    if not (same_shape(shape(gate), shape(up)) and same_shape(shape(out), shape(up))):
+        return f"gate {list(shape(gate))} and up {list(shape(up))} differ in shape (broadcasting)"
+    if dtype(gate) not in FLOAT_DTYPES or dtype(up) not in FLOAT_DTYPES:
+        return f"dtypes {dtype(gate)}, {dtype(up)}"
+    return None
+
+
+@register
+class FuseGeGLU(RulePass):
+    """gelu_tanh(gate) * up -> metainfer::geglu"""
+
+    name = "fuse_geglu"
+    cost_gated = True
+    profitable_kinds = ("cuda",)
+    unprofitable_why = "Inductor's C++ loops already fuse this chain"
+    rules = tuple(_rules())
+
+    @staticmethod
+    def anchor(n) -> bool:  # the tanh of GeLU's approximation
+        return is_op(n, aten.tanh)

@@ -19,8 +19,8 @@ import metainfer
 from metainfer import models
 from metainfer.testing import tiny_hf_model
 
-PASSES = ["fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm",
-          "fuse_rope", "fuse_rmsnorm", "fuse_swiglu"]
+PASSES = [p for p in ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm",
+                      "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu") if p in metainfer.passes.pass_names()]
 
 DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -28,7 +28,7 @@ DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                 n_shared_experts=1, first_k_dense_replace=1)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 HF = [("Llama", "eager", {}), ("Llama", "sdpa", {}), ("Qwen2", "eager", {}), ("Qwen3", "eager", {}),
-      ("Mistral", "eager", {}), ("Phi3", "eager", {}), ("Gemma", "eager", {}), ("Gemma2", "eager", {}),
+      ("Mistral", "eager", {}), ("Phi3", "eager", {}), ("Gemma", "eager", dict(hidden_activation="gelu_pytorch_tanh")), ("Gemma2", "eager", {}),
       ("Mixtral", "eager", MOE), ("Qwen3Moe", "eager", dict(num_experts=4, num_experts_per_tok=2,
                                                             moe_intermediate_size=32)),
       ("DeepseekV3", "eager", DEEPSEEK)]

@@ -36,7 +36,7 @@ from .matching import (
     CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_view,
     is_op, is_reshape, is_scalar, peel, rehome_size_reads, size_reads_rehomable, skip_noop_views,
     location, maybe_same, ndim, reduces_last_dim, same, same_shape, shape, sizes_available, sym_size_available,
-    untransposed, escaping_uses,
+    uncast, untransposed, escaping_uses,
 )
 
 SDPA_OPS = {
@@ -275,22 +275,25 @@ def _inductor_scaled_softmax(d: Node) -> tuple[Node, list[Node]] | None:
     """Inductor's joint-graph rewrite of softmax(x * c) or softmax(x / c) for a scalar c (when
     no mask sits in between, e.g. a decode step): exp(where(row finite, (x*sign - amax(x*sign))
     * (sign*c) [or / (sign*c)], x*c - amax(x*c) [x/c - ...])). Both branches are the same
-    logits; returns (x * c or x / c, the nodes)."""
+    logits; below float32 the scaled logits are upcast (convert(x * c)) and the stable branch
+    upcasts x before its sign. Returns (the logits, the nodes)."""
     if not is_op(d, aten.where):
         return None
     cond, stable, plain = d.args
     if not (is_op(plain, aten.sub) and is_op(plain.args[1], aten.amax) and plain.args[1].args[0] is plain.args[0]):
         return None
     logits = plain.args[0]
-    scaling = next((op for op in (aten.mul, aten.div) if is_op(logits, op)), None)
-    if scaling is None or not (is_scalar(logits.args[1]) and isinstance(logits.args[0], Node)):
+    scaled = uncast(logits)
+    scaling = next((op for op in (aten.mul, aten.div) if is_op(scaled, op)), None)
+    if scaling is None or not (is_scalar(scaled.args[1]) and isinstance(scaled.args[0], Node)):
         return None
-    x, c = logits.args
+    x, c = scaled.args
     if not (is_op(stable, scaling) and is_scalar(stable.args[1]) and is_op(stable.args[0], aten.sub)):
         return None
     sub = stable.args[0]
     signed, mx = sub.args[0], sub.args[1]
-    if not (is_op(mx, aten.amax) and mx.args[0] is signed and is_op(signed, aten.mul) and signed.args[0] is x
+    if not (is_op(mx, aten.amax) and mx.args[0] is signed and is_op(signed, aten.mul)
+            and (signed.args[0] is x or uncast(signed.args[0]) is x)
             and signed.args[1] in (1, -1) and stable.args[1] == signed.args[1] * c):
         return None
     # the condition is a function of the logits alone (which rows are all finite)
@@ -303,7 +306,8 @@ def _inductor_scaled_softmax(d: Node) -> tuple[Node, list[Node]] | None:
             return None
         cond_nodes.append(n)
         todo.extend(n.all_input_nodes)
-    return logits, [d, stable, sub, mx, signed, plain, plain.args[1], *cond_nodes]
+    upcast = peel(signed.args[0], CONVERT_OPS)[1]  # the stable branch's own cast of x
+    return logits, [d, stable, sub, mx, signed, *upcast, plain, plain.args[1], *cond_nodes]
 
 
 def _fill_drops(v) -> bool:

@@ -4,6 +4,7 @@ The forms, each with x^2 as pow or x*x, and rsqrt-multiply or sqrt-divide:
     x * rsqrt(mean(x^2, -1, keepdim) + eps) * w                   (plain, any dtype)
     w * (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype), xf = x.float()   (Llama, Mistral, Qwen)
     (xf * rsqrt(mean(xf^2) + eps) * (1 + w.float())).to(x.dtype)     (Gemma)
+    (x * rsqrt(mean(x^2) + eps)).to(w.dtype) * w    (Llama's, its upcast x read elsewhere too)
 and each with the weight offset (1 + w) or without. When x is itself `a + b` of equal
 shapes and dtypes, metainfer::add_rmsnorm returns (norm, a + b) and the sum's other users
 (the residual stream) read its second output.
@@ -35,16 +36,20 @@ def _norm_form(x, w, eps, c, *, square, root, cast):
         return _normalise(x, eps, square, root) * (w if c is None else w + c)
     if cast == "llama":
         return _normalise(x.float(), eps, square, root).to(x.dtype) * (w if c is None else w + c)
+    if cast == "upcast elsewhere":  # Llama's form whose upcast other nodes read too: x is it
+        return _normalise(x, eps, square, root).to(w.dtype) * (w if c is None else w + c)
     return (_normalise(x.float(), eps, square, root) * (w.float() if c is None else w.float() + c)).to(x.dtype)
 
 
 def _out_dtype(x, w, cast: str) -> torch.dtype:
+    if cast == "upcast elsewhere":
+        return w.dtype
     return x.dtype if cast == "gemma" else torch.promote_types(x.dtype, w.dtype)
 
 
 def _rules():
     for square, root, cast, offset, residual in itertools.product(
-            ("pow", "mul"), ("rsqrt", "sqrt"), ("none", "llama", "gemma"), (True, False), (True, False)):
+            ("pow", "mul"), ("rsqrt", "sqrt"), ("none", "llama", "gemma", "upcast elsewhere"), (True, False), (True, False)):
         form = dict(square=square, root=root, cast=cast)
 
         def pattern(w, eps, c=None, x=None, a=None, b=None, form=form, residual=residual):
@@ -61,14 +66,15 @@ def _rules():
 
         names = (("a", "b") if residual else ("x",)) + ("w", "eps") + (("c",) if offset else ())
         yield Rule("add+rmsnorm" if residual else "rmsnorm", "add_rmsnorm" if residual else "rmsnorm",
-                   positional(pattern, names), positional(replacement, names), _example(residual),
+                   positional(pattern, names), positional(replacement, names), _example(residual, cast),
                    torch.float32 if cast == "none" else torch.bfloat16,
                    dict(eps=EPS, **({"c": OFFSET} if offset else {})), _proof, _detail)
 
 
-def _example(residual: bool):
+def _example(residual: bool, cast: str):
     def tensors(dt):
-        return [torch.empty(2, 4, 8, dtype=dt) for _ in range(2 if residual else 1)] + [torch.empty(8, dtype=dt)]
+        xdt = torch.float32 if cast == "upcast elsewhere" else dt
+        return [torch.empty(2, 4, 8, dtype=xdt) for _ in range(2 if residual else 1)] + [torch.empty(8, dtype=dt)]
 
     return tensors
 

@@ -96,7 +96,7 @@ class RulePass(Pass):
         try:
             fake = torch._guards.detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
             with V.set_fake_mode(fake) if fake is not None else _nothing():
-                res.matches = matcher.apply(graph)
+                res.matches = _apply(matcher, graph)
         finally:
             _active.pop()
         for a in anchors:
@@ -106,6 +106,22 @@ class RulePass(Pass):
             res.near_misses.append(f"{location(a)}: {self.rules[0].name} not fused: {why}")
         res.modified = res.matches > 0
         return res
+
+
+def _apply(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
+    """PatternMatcherPass.apply without its skip of nodes Inductor cannot lower (meta tensors:
+    analyze() on a real-size model) or of mutation regions (these graphs are functional)."""
+    count = 0
+    nodes = itertools.chain.from_iterable(graph.find_nodes(op=op, target=t, sort=False) for op, t in matcher.patterns)
+    for node in sorted(nodes, reverse=True):
+        for entry in matcher.patterns[(node.op, node.target)]:
+            if node._erased:
+                break
+            m = entry.pattern.match(node)
+            if pm.is_match(m) and entry.extra_check(m):
+                count += 1
+                entry.apply(m, graph, node)
+    return count
 
 
 class _nothing:

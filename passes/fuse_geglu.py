@@ -2,7 +2,7 @@
 
 The worked example of docs/adding-a-pass.md: the pattern is the model's math, the
 replacement one op call, the proof what the pattern cannot say (no broadcasting, float
-dtypes). GeLU's exact (erf) form is a different function and is left alone.
+dtypes: fuse_swiglu's, the same op shape). GeLU's exact (erf) form is a different function and is left alone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import register
-from .matching import FLOAT_DTYPES, aten, dtype, is_op, same_shape, shape
+from .fuse_swiglu import gate_up_proof
+from .matching import aten, is_op, shape
 from .rules import Rule, RulePass, positional
 
 
@@ -28,16 +29,7 @@ def _rules():
         yield Rule("gelu_tanh(gate) * up", "geglu", positional(pattern, ("gate", "up")),
                    lambda gate, up: torch.ops.metainfer.geglu(gate, up),
                    lambda dt: [torch.empty(2, 4, 8, dtype=dt), torch.empty(2, 4, 8, dtype=dt)], dt,
-                   check=_proof, describe=lambda m: f"{list(shape(m.kwargs['gate']))}")
-
-
-def _proof(m) -> str | None:
-    gate, up, out = m.kwargs["gate"], m.kwargs["up"], m.output_nodes()[0]
-    if not (same_shape(shape(gate), shape(up)) and same_shape(shape(out), shape(up))):
-        return f"gate {list(shape(gate))} and up {list(shape(up))} differ in shape (broadcasting)"
-    if dtype(gate) not in FLOAT_DTYPES or dtype(up) not in FLOAT_DTYPES:
-        return f"dtypes {dtype(gate)}, {dtype(up)}"
-    return None
+                   check=gate_up_proof, describe=lambda m: f"{list(shape(m.kwargs['gate']))}")
 
 
 @register

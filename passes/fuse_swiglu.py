@@ -30,11 +30,14 @@ def _rules():
         def pattern(gate, up, written=written, up_first=up_first):
             return up * _silu(gate, written) if up_first else _silu(gate, written) * up
 
-        yield Rule("silu(gate) * up", "swiglu", positional(pattern, ("gate", "up")), lambda gate, up: torch.ops.metainfer.swiglu(gate, up),
-                   lambda dt: [torch.empty(2, 4, 8, dtype=dt), torch.empty(2, 4, 8, dtype=dt)], dt, check=_proof, describe=_detail)
+        yield Rule("silu(gate) * up", "swiglu", positional(pattern, ("gate", "up")),
+                   lambda gate, up: torch.ops.metainfer.swiglu(gate, up),
+                   lambda dt: [torch.empty(2, 4, 8, dtype=dt), torch.empty(2, 4, 8, dtype=dt)], dt,
+                   check=gate_up_proof, describe=_detail)
 
 
-def _proof(m) -> str | None:
+def gate_up_proof(m) -> str | None:
+    """What a gated unit's op needs (SwiGLU, GeGLU): gate and up of one shape, float dtypes."""
     gate, up, out = m.kwargs["gate"], m.kwargs["up"], m.output_nodes()[0]
     if not (same_shape(shape(gate), shape(up)) and same_shape(shape(out), shape(up))):
         return f"gate {list(shape(gate))} and up {list(shape(up))} differ in shape (broadcasting)"

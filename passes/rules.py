@@ -15,6 +15,7 @@ the operands differ in shape (x * rsqrt(...), weight * normed, normed * (1 + wei
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class RulePass(Pass):
         _active.append((res, why_not))
         try:
             fake = torch._guards.detect_fake_mode([n.meta.get("val") for n in graph.find_nodes(op="placeholder")])
-            with V.set_fake_mode(fake) if fake is not None else _nothing():
+            with V.set_fake_mode(fake) if fake is not None else contextlib.nullcontext():
                 res.matches = _apply(matcher, graph)
         finally:
             _active.pop()
@@ -122,14 +123,6 @@ def _apply(matcher: pm.PatternMatcherPass, graph: torch.fx.Graph) -> int:
                 count += 1
                 entry.apply(m, graph, node)
     return count
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 _active: list = []  # (PassResult, {anchor: why not}) of the RulePass now applying its matcher

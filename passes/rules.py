@@ -55,15 +55,15 @@ def positional(fn, names: tuple[str, ...]):
     return call
 
 
-def canonicalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def canonicalize(graph: torch.fx.Graph) -> torch.fx.Graph:
     """Each two-tensor mul/add (no alpha) takes the operand of more dimensions, then of more
     non-unit dimensions, first; ties keep their order. Exact: both ops commute, dtype
     promotion included."""
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if n.op == "call_function" and n.target in COMMUTATIVE and not n.kwargs and len(n.args) == 2 \
                 and all(isinstance(a, Node) for a in n.args) and _rank_key(n.args[1]) > _rank_key(n.args[0]):
             n.args = (n.args[1], n.args[0])
-    return gm
+    return graph
 
 
 def _rank_key(n: Node) -> tuple:
@@ -74,7 +74,9 @@ def _rank_key(n: Node) -> tuple:
 
 
 def _trace(fn, args, **kw) -> torch.fx.GraphModule:
-    return canonicalize(pm.fwd_only(fn, args, **kw))
+    gm = pm.fwd_only(fn, args, **kw)
+    canonicalize(gm.graph)
+    return gm
 
 
 class RulePass(Pass):
@@ -89,7 +91,7 @@ class RulePass(Pass):
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)
-        canonicalize(graph.owning_module)
+        canonicalize(graph)
         matcher = _matcher(type(self))
         anchors = [n for n in graph.nodes if n.op == "call_function" and self.anchor(n)]
         why_not: dict[Node, str] = {}

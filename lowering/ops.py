@@ -95,14 +95,12 @@ def _gated(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     return _glu.cpu_forward(gate, up, activation).contiguous()
 
 
-@swiglu.register_fake
-def _(gate, up):
+def _gated_fake(gate, up):
     return gate.new_empty(gate.shape, dtype=_glu.out_dtype(gate, up))
 
 
-@geglu.register_fake
-def _(gate, up):
-    return gate.new_empty(gate.shape, dtype=_glu.out_dtype(gate, up))
+swiglu.register_fake(_gated_fake)
+geglu.register_fake(_gated_fake)
 
 
 @torch.library.custom_op("metainfer::rope", mutates_args=())

@@ -40,6 +40,7 @@ class FuseGeGLU(RulePass):
     cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
+    what = "geglu"
     rules = tuple(_rules())
 
     @staticmethod

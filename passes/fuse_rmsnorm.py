@@ -117,6 +117,7 @@ class FuseRMSNorm(RulePass):
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
     # at one node the matcher takes the first rule that applies: the larger forms (the
     # residual add, the weight offset) before the ones they contain
+    what = "rmsnorm"
     rules = tuple(sorted(_rules(), key=lambda r: (r.name != "add+rmsnorm", "c" not in r.scalars)))
 
     @staticmethod

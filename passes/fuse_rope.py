@@ -14,7 +14,7 @@ import torch
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import register
-from .matching import FLOAT_DTYPES, aten, dtype, is_op, ndim, same_shape, shape
+from .matching import FLOAT_DTYPES, aten, dtype, is_op, ndim, norm_dim, same_shape, shape
 from .rules import Rule, RulePass, positional
 
 
@@ -79,9 +79,12 @@ class FuseRoPE(RulePass):
     cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
+    what = "rope"
     rules = tuple(_rules())
 
     @staticmethod
     def anchor(n) -> bool:  # cat(-a, b) along the last dim: a rotate_half
-        return (is_op(n, aten.cat) and len(n.args[0]) == 2 and is_op(n.args[0][0], aten.neg)
-                and ndim(n) is not None and n.args[1] in (-1, ndim(n) - 1) if len(n.args) > 1 else False)
+        if not is_op(n, aten.cat) or len(n.args[0]) != 2 or not is_op(n.args[0][0], aten.neg):
+            return False
+        dim, rank = (n.args[1] if len(n.args) > 1 else 0), ndim(n)
+        return rank is not None and norm_dim(dim, rank) == rank - 1

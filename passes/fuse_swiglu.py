@@ -58,6 +58,7 @@ class FuseSwiGLU(RulePass):
     cost_gated = True
     profitable_kinds = ("cuda",)
     unprofitable_why = "Inductor's C++ loops already fuse this chain"
+    what = "swiglu"
     rules = tuple(_rules())
 
     @staticmethod

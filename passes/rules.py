@@ -84,6 +84,7 @@ class RulePass(Pass):
     presence says one of the rules was meant (a near miss is reported where no rule took it)."""
 
     rules: tuple[Rule, ...] = ()
+    what: str = ""  # what a near miss says was not fused ("rmsnorm")
 
     @staticmethod
     def anchor(n: Node) -> bool:
@@ -106,7 +107,7 @@ class RulePass(Pass):
             if a._erased:
                 continue
             why = why_not.get(a) or _structural_miss(matcher, a)
-            res.near_misses.append(f"{location(a)}: {self.rules[0].name} not fused: {why}")
+            res.near_misses.append(f"{location(a)}: {self.what} not fused: {why}")
         res.modified = res.matches > 0
         return res
 
@@ -166,8 +167,8 @@ def _structural_miss(matcher: pm.PatternMatcherPass, anchor: Node) -> str:
     frontier, seen = [anchor], {anchor}
     for _ in range(6):
         frontier = [u for n in frontier for u in n.users if u not in seen and not seen.add(u)]
-        for node, entries in itertools.product(frontier, [matcher.patterns]):
-            for entry in entries.get((node.op, node.target), ()):
+        for node in frontier:
+            for entry in matcher.patterns.get((node.op, node.target), ()):
                 m = entry.pattern.match(node)
                 if not pm.is_match(m) and m.format_string.startswith("multiple_users"):
                     inner = m.args[0] if m.args else None

@@ -48,6 +48,18 @@ def test_rmsnorm_forms(norm, offset, dtype):
     assert node.args[3] == offset and node.args[4] == dtype
 
 
+def test_llama_norm_whose_upcast_is_read_elsewhere():
+    def f(x, w):  # the float32 upcast also feeds another node: it stays, the op reads it
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * normed.to(x.dtype), xf.sum()
+
+    rec, after = apply("fuse_rmsnorm", f, torch.randn(2, 5, 64, dtype=torch.bfloat16),
+                       torch.randn(64, dtype=torch.bfloat16), expect_op=mi.rmsnorm.default)
+    (node,) = [n for n in after.graph.nodes if n.target is mi.rmsnorm.default]
+    assert rec.matches == 1 and node.args[0].meta["val"].dtype == torch.float32 and node.args[4] == torch.bfloat16
+
+
 def test_residual_add_is_fused_and_sum_is_reused():
     def f(x, r, w):
         h = x + r

@@ -315,25 +315,26 @@ def _fill_drops(v) -> bool:
     return c is not None and (c == -math.inf or c <= _NEG_INF_FLOOR)
 
 
+def _chain_inputs(n) -> list | None:
+    """The inputs an op of the score chain continues through (casts, views, scalar scales,
+    a mask's add or where), [] at the q k^T bmm, None for an op the chain cannot hold."""
+    if is_op(n, aten.bmm):
+        return []
+    if is_op(n, *CONVERT_OPS, *VIEW_OPS) or (is_op(n, aten.mul, aten.div) and is_scalar(n.args[1])):
+        return [n.args[0]]
+    if is_op(n, aten.mul) and is_scalar(n.args[0]):
+        return [n.args[1]]
+    if is_op(n, aten.add):
+        return list(n.args[:2])
+    if is_op(n, aten.where):
+        return list(n.args[1:3])
+    return None
+
+
 def _reaches_bmm(n, depth: int = 12) -> bool:
     """Whether n is computed from a bmm through score-chain ops (to tell scores from mask)."""
-    while depth > 0 and isinstance(n, Node):
-        if is_op(n, aten.bmm):
-            return True
-        if is_op(n, *CONVERT_OPS, *VIEW_OPS):
-            n = n.args[0]
-        elif is_op(n, aten.mul, aten.div) and is_scalar(n.args[1]):
-            n = n.args[0]
-        elif is_op(n, aten.mul) and is_scalar(n.args[0]):
-            n = n.args[1]
-        elif is_op(n, aten.add):
-            return _reaches_bmm(n.args[0], depth - 1) or _reaches_bmm(n.args[1], depth - 1)
-        elif is_op(n, aten.where):
-            return _reaches_bmm(n.args[1], depth - 1) or _reaches_bmm(n.args[2], depth - 1)
-        else:
-            return False
-        depth -= 1
-    return False
+    ins = _chain_inputs(n) if isinstance(n, Node) and depth > 0 else None
+    return ins is not None and (is_op(n, aten.bmm) or any(_reaches_bmm(i, depth - 1) for i in ins))
 
 
 # Ops that are not part of what metainfer.attention computes, by what they mean in a model.
@@ -350,12 +351,6 @@ def _blocked_by(n) -> str:
     return f"unsupported op {getattr(n, 'target', n)} between the q k^T matmul and the softmax"
 
 
-def _chain_step(n) -> bool:
-    """An op the score chain may hold (_parse_scores follows it)."""
-    return is_op(n, *CONVERT_OPS, *VIEW_OPS, aten.add, aten.where, aten.bmm) or (
-        is_op(n, aten.mul, aten.div) and (is_scalar(n.args[1]) or is_scalar(n.args[0])))
-
-
 def _off_chain_op(n, depth: int = 12, seen: set | None = None):
     """The first op on a path from `n` down to a bmm that the score chain cannot hold (what
     stopped _reaches_bmm), or None if no such path is near."""
@@ -363,12 +358,13 @@ def _off_chain_op(n, depth: int = 12, seen: set | None = None):
     if depth == 0 or not isinstance(n, Node) or n.op != "call_function" or n in seen:
         return None
     seen.add(n)
+    on_chain = _chain_inputs(n) is not None
     for src in n.all_input_nodes:
-        if is_op(src, aten.bmm) or _reaches_bmm(src):
-            return None if _chain_step(n) else n
+        if _reaches_bmm(src):
+            return None if on_chain else n
         found = _off_chain_op(src, depth - 1, seen)
         if found is not None:
-            return found if _chain_step(n) else n
+            return found if on_chain else n
     return None
 
 

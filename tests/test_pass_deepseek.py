@@ -185,8 +185,8 @@ def test_fuse_moe_does_not_fire_on_a_partial_loop():
 def test_moe_op_refuses_what_the_kernel_cannot_do():
     from metainfer.kernels import KernelInputError
     x, w = torch.randn(3, 8), torch.randn(2, 4, 8)
-    with pytest.raises(KernelInputError):  # top-3 of 2 experts
-        ops.moe_experts(x, torch.zeros(3, 3, dtype=torch.long), torch.rand(3, 3), w, w, torch.randn(2, 8, 4),
+    with pytest.raises(KernelInputError):  # routing weights of another shape than the ids
+        ops.moe_experts(x, torch.zeros(3, 3, dtype=torch.long), torch.rand(3, 2), w, w, torch.randn(2, 8, 4),
                         None, None, None, 128, 128)
 
 

@@ -140,8 +140,8 @@ def _check_kernel_limits(site: Site) -> None:
         raise NearMiss(f"activations of dtype {dtype(site.x)}")
     if dtype(site.ids) not in (torch.int32, torch.int64):
         raise NearMiss(f"expert ids of dtype {dtype(site.ids)}")
-    if not isinstance(K, int) or not isinstance(E, int) or not 1 <= K <= E:
-        raise NearMiss(f"top-k {K} of {E} experts: the kernel needs 1 <= k <= experts")
+    if not isinstance(K, int) or not isinstance(E, int) or K < 1:
+        raise NearMiss(f"top-k {K} of {E} experts: the kernel needs static sizes and k >= 1")
     for wd in {dtype(site.gate[0]), dtype(site.up[0]), dtype(site.down)}:
         if site.scales[0] is not None:
             if wd not in KERNEL_FP8:
@@ -350,10 +350,11 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     mul, (inv,) = back.args[0], back.args[1]
     if not is_op(mul, aten.mul):
         return None
-    got = _weighted(mul, _is_grouped_mm)
+    got = _weighted(mul, lambda y: _is_grouped_mm(_unsentinel(y)[0]))
     if got is None:
         return None
     g2, w_rows, w_col = got
+    g2, zeroed = _unsentinel(g2)
     # inverse permutation: index_put(empty, [perm], arange(T*K))
     if not (is_op(inv, aten.index_put) and len(inv.args[1]) == 1):
         raise NearMiss("the grouped rows are not put back in token order by the inverse of the sort")
@@ -375,10 +376,13 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
         raise NearMiss("the first grouped GEMM's output is not SwiGLU-gated")
     g, u, sw_nodes = found
     halves = _halves(g, u)
-    if halves is None or not _is_grouped_mm(halves[0]):
+    g1, zeroed1 = _unsentinel(halves[0]) if halves else (None, ())
+    if not _is_grouped_mm(g1):
         raise NearMiss("gate and up are not the two halves of one grouped GEMM")
-    g1, I = halves
+    I = halves[1]
     xs, wgu_t, offs1 = g1.args[:3]
+    xs, zeroed_x = _unsentinel(xs)
+    zeroed = (*zeroed, *zeroed1, *zeroed_x)
     if offs1 is not offs:
         raise NearMiss("the two grouped GEMMs use different offsets")
     wgu, wd = untransposed(wgu_t, 3), untransposed(wd_t, 3)  # (E, N, K) from their transposes
@@ -391,14 +395,30 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
             and xs.args[1][0].args[1] == K and xs.args[1][0].kwargs.get("rounding_mode") == "floor"):
         raise NearMiss("the grouped rows are not the tokens of the sorted (token, k) pairs")
     x = xs.args[0]
+    for where in zeroed[::3]:
+        ge = where.args[0].args[0]
+        if not (ge.args[0].target is operator.getitem and ge.args[0].args[0] is srt and ge.args[1] == E):
+            raise NearMiss(f"{where.name} zeroes rows by a mask other than the sorted ids >= {E} "
+                           "(transformers' expert-parallel sentinel)")
     region = {total, v, back, mul, g2, wd_t, h, *sw_nodes, g1, wgu_t, xs, xs.args[1][0], offs, inv, w_rows, w_col,
-              g.args[0] if g.target is operator.getitem else g}
+              g.args[0] if g.target is operator.getitem else g, *zeroed, *(w.args[1] for w in zeroed[::3])}
     region |= {g, u}
     site = Site(form="grouped_mm", out=_through_convert(total), x=x, ids=ids, weights=wts,
                 gate=(wgu, (0, I)), up=(wgu, (I, 2 * I)), down=wd, region=region)
     _exclusive(region, keep=total)
     _check_kernel_limits(site)
     return site
+
+
+def _unsentinel(n: Node) -> tuple[Node, tuple]:
+    """(x, (where, unsqueeze, ge)) for where(unsqueeze(ids >= E, -1), 0, x): under expert
+    parallelism transformers points other ranks' experts at the sentinel id E and zeroes their
+    rows; the fused op drops ids outside [0, E) itself. (n, ()) otherwise; the caller checks
+    that the ids are the sorted ones."""
+    if (is_op(n, aten.where) and is_op(n.args[0], aten.unsqueeze) and n.args[0].args[1] == -1
+            and is_op(n.args[0].args[0], aten.ge) and is_op(n.args[1], aten.full) and n.args[1].args[1] == 0):
+        return n.args[2], (n, n.args[0], n.args[0].args[0])
+    return n, ()
 
 
 def _ascending(srt: Node) -> bool:

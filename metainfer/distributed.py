@@ -1,5 +1,5 @@
 """metainfer inside a torch.distributed job: the process group, the target's topology over
-the job's ranks, and tensor-parallel sharding through DTensor.
+the job's ranks, and the degrees the model is sharded with (metainfer.sharding applies them).
 
     torchrun --nproc-per-node 8 my_script.py      # my_script calls metainfer.optimize(...)
 
@@ -12,10 +12,9 @@ the job's ranks, and tensor-parallel sharding through DTensor.
 - `choose_degrees(...)`: tp (and dp = world / tp) and whether experts are spread, from the
   planner's fastest plan that metainfer executes (no pipeline stages yet), or as the caller
   fixed them (`optimize(..., tensor_parallel=, expert_parallel=)`).
-- `tp_plan(model)` / `shard(model, mesh)`: the model's tensor-parallel plan (Hugging Face's
-  `base_model_tp_plan`, or `TP_PLAN` declared beside a models/ model) applied with
-  `torch.distributed.tensor.parallel.parallelize_module` inside each group of tp consecutive
-  ranks; clear errors before any collective when the plan is missing or the heads do not split.
+- `prepare(...)`: the model sharded with its own plan (metainfer.sharding) inside each group
+  of tp consecutive ranks, experts spread over that group where chosen; clear errors before
+  any collective when the plan is missing or cannot be honoured.
 
 What the passes need from the job they compile in (this rank's place, the islands' sub-groups,
 agreement across ranks) is in metainfer.passes.ranks, below this module.
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from metainfer import targets as _targets
+from metainfer import sharding
 from metainfer.passes import ranks
 from metainfer.passes.ranks import island_groups, rank, world_size
 
@@ -81,86 +81,6 @@ def emulated(target, world: int, device_kind: str = "cpu") -> _targets.Target:
                                            + (" with gloo" if device_kind == "cpu" else ""))
 
 
-# ---- tensor-parallel plans ----------------------------------------------------------------
-
-_STYLES = ("colwise", "rowwise")
-
-
-def tp_plan(model: torch.nn.Module) -> dict[str, str]:
-    """The model's tensor-parallel plan: FQN pattern -> "colwise" | "rowwise"."""
-    declared = getattr(type(model), "TP_PLAN", None)
-    if declared is not None:
-        return dict(declared)
-    config = getattr(model, "config", None)
-    plan = getattr(config, "base_model_tp_plan", None)
-    if plan:
-        prefix = getattr(model, "base_model_prefix", "")
-        if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
-            return {f"{prefix}.{k}": v for k, v in plan.items()}
-        return dict(plan)
-    raise ValueError(f"{type(model).__name__} has no tensor-parallel plan: neither a Hugging Face "
-                     "config.base_model_tp_plan nor a TP_PLAN declared on the model class")
-
-
-def _heads(model) -> tuple[int, int] | None:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
-    return (heads, kv) if heads else None
-
-
-def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
-    """The plan, after checking it can be applied at `degree` (before any collective)."""
-    plan = tp_plan(model)
-    bad = sorted({v for v in plan.values() if v not in _STYLES})
-    if bad:
-        raise ValueError(f"tensor-parallel plan of {type(model).__name__} uses style(s) {bad}; metainfer "
-                         f"applies {list(_STYLES)}")
-    heads = _heads(model)
-    if heads is not None:
-        h, kv = heads
-        if h % degree or kv % degree:
-            raise ValueError(f"{type(model).__name__}: {h} attention heads / {kv} key-value heads do not split "
-                             f"over tensor-parallel degree {degree}")
-    import fnmatch
-
-    quantised = [n for n, m in model.named_modules() if getattr(m, "block", 0) and any(fnmatch.fnmatch(n, p) for p in plan)]
-    if quantised:
-        raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
-                         f"supported yet ({quantised[0]} and others would need their scales split too)")
-    names = [n for n, _ in model.named_modules()]
-    unmatched = [p for p in plan if not any(fnmatch.fnmatch(n, p) for n in names)]
-    if len(unmatched) == len(plan):
-        raise ValueError(f"tensor-parallel plan of {type(model).__name__} matches none of its modules "
-                         f"(e.g. {unmatched[0]!r})")
-    return plan
-
-
-def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
-    """Shard `model` in place over the 1-D `mesh` with its plan; returns the plan."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    import warnings
-
-    plan = check_shardable(model, mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    with warnings.catch_warnings():  # a pattern need not match in every layer (dense vs MoE layers)
-        warnings.filterwarnings("ignore", message="Parallelize plan key")
-        parallelize_module(model, mesh, {k: styles[v]() for k, v in plan.items()})
-    return plan
-
-
-def expert_parallel(model: torch.nn.Module, group) -> int:
-    """Spread the routed experts of every MoE layer that declares `shard_experts` over the
-    group's ranks; returns how many layers."""
-    layers = [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
-    for m in layers:
-        m.shard_experts(dist.get_rank(group), dist.get_world_size(group), group)
-    return len(layers)
-
-
 _TP_MESHES: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -202,34 +122,33 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on
         notes.append("model already sharded (DTensor parameters): used as it is")
         island_groups(t)
         return t, notes
-    has_experts = any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
-    if expert_parallel_on and not has_experts:
-        raise ValueError(f"expert_parallel=True but {type(model).__name__} declares no MoE layer that can "
-                         "spread its experts (shard_experts)")
+    moe = sharding.has_experts(model)
+    if expert_parallel_on and not moe:
+        raise ValueError(f"expert_parallel=True but {type(model).__name__} has no MoE layer that can spread its "
+                         "experts (a models/ layer's shard_experts, or a Hugging Face base_model_ep_plan)")
     degrees = choose_degrees(model, t, w, tensor_parallel=tensor_parallel,
-                             expert_parallel=expert_parallel_on if has_experts else False)
+                             expert_parallel=expert_parallel_on if moe else False)
     tp, ep_on = degrees.tp, degrees.expert_parallel
     notes.append(degrees.why)
     if ep_on and tp == 1:
         raise ValueError("expert_parallel=True spreads experts over a tensor-parallel group, and tensor_parallel=1 "
                          "has none (all-to-all dispatch across data-parallel replicas is not implemented)")
     if ep_on:  # checked before any weight moves
-        n_experts = {getattr(m, "n_experts", tp) for m in model.modules() if hasattr(m, "shard_experts")}
-        bad = sorted(e for e in n_experts if e % tp)
+        bad = sorted(e for e in sharding.expert_counts(model) if e % tp)
         if bad:
             raise ValueError(f"{bad[0]} experts do not split over {tp} ranks for expert parallelism")
     if tp > 1:
-        check_shardable(model, tp)  # before the mesh's groups are made
+        sharding.check_shardable(model, tp)  # before the mesh's groups are made
         mesh = (init_device_mesh(t.device.kind, (w,)) if tp == w else
                 init_device_mesh(t.device.kind, (w // tp, tp), mesh_dim_names=("dp", "tp"))["tp"])
-        plan = shard(model, mesh)
+        plan = sharding.shard(model, mesh)
         _TP_MESHES[model] = mesh
         members = dist.get_process_group_ranks(mesh.get_group())
         notes.append(f"tensor parallel over ranks {members} (rank {rank()}): {len(plan)} plan entries of "
                      f"{type(model).__name__} applied with DTensor parallelize_module"
                      + (f"; {w // tp} data-parallel replicas, each rank serving its own inputs" if tp < w else ""))
         if ep_on:
-            n = expert_parallel(model, mesh.get_group())
+            n = sharding.expert_parallel(model, mesh.get_group())
             notes.append(f"expert parallel over those {tp} ranks: routed experts of {n} MoE layer(s) spread, "
                          "their outputs summed by an all-reduce")
     else:
@@ -269,10 +188,10 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
                        f"degrees: tp{tp} (the planner cannot read {type(model).__name__}'s shape; "
                        + ("as asked)" if tensor_parallel else "tensor parallel over every rank)"))
     ph = result.phases[phase]
-    # a models/ MoE layer keeps its routed experts whole under its TP plan (they are spread by
-    # expert parallelism instead), while the planner prices ep = 1 as experts split like the
+    # MoE layers (models/ and Hugging Face's) keep their routed experts whole under the TP plan
+    # (they are spread by expert parallelism instead), while the planner prices ep = 1 as experts split like the
     # MLP: with tp > 1 only its expert-parallel plans are what would run
-    whole_experts = any(callable(getattr(m, "shard_experts", None)) for m in getattr(model, "modules", list)())
+    whole_experts = isinstance(model, torch.nn.Module) and sharding.has_experts(model)
     fits = [c for c in ph.candidates if c.runs and c.executable
             and not (whole_experts and c.plan.tp > 1 and c.plan.ep == 1)
             and (tensor_parallel is None or c.plan.tp == tensor_parallel)

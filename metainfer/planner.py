@@ -261,7 +261,7 @@ def _activation_per_token(m: ModelShape, p: Plan) -> float:
     return m.act_bytes * (4 * m.hidden + 2 * heads * (m.qk_dim + m.v_dim) + 3 * width)
 
 
-def _kv_per_token(m: ModelShape, p: Plan) -> float:
+def kv_per_token(m: ModelShape, p: Plan) -> float:
     """KV cache bytes of one token on one device: GQA heads split over tp (replicated where
     tp > kv heads); the MLA latent is not split by heads, every tp rank keeps it."""
     stage = math.ceil(m.layers / p.pp) / m.layers
@@ -275,7 +275,7 @@ def capacity(m: ModelShape, p: Plan, target, chunk_tokens: int, logits_rows: int
     weights = _weights_per_device(m, p)
     act = chunk_tokens * _activation_per_token(m, p) + logits_rows * m.vocab / p.tp * 4
     budget = mem - weights - act
-    per_token = _kv_per_token(m, p)
+    per_token = kv_per_token(m, p)
     tokens = int(budget // per_token) if budget > 0 else 0
     fits = weights + act < mem
     why = "" if fits else (f"needs {weights / 2**30:.1f} GiB of weights + {act / 2**30:.1f} GiB of activations per "

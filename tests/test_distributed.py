@@ -330,7 +330,7 @@ def killed_rank(rank, world):
 
 
 def bad_heads(rank, world):
-    model = models.build("llama-tiny")  # 4 heads, 2 kv heads: not over 4 ranks
+    model = models.build("llama-tiny", dim=96, n_heads=6, n_kv_heads=2)  # 6 heads: not over 4 ranks
     metainfer.optimize(model, "pcie8", example_inputs=models.example_inputs("llama-tiny", seq=8), emulate=True,
                        tensor_parallel=4)
 
@@ -571,8 +571,16 @@ def test_low_precision_transport_is_opt_in_and_bounded():
 # ---- bad input and failures -------------------------------------------------------------
 
 def test_heads_that_do_not_split_fail_before_any_collective():
-    with pytest.raises(multirank.RankFailure, match="2 key-value heads do not split over tensor-parallel degree 4"):
+    with pytest.raises(multirank.RankFailure, match="6 attention heads / 2 key-value heads do not split over "
+                                                     "tensor-parallel degree 4"):
         multirank.run(bad_heads, 4, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.slow  # the mechanism runs in the default tier on HF models (tests/test_tp_matrix.py)
+def test_models_llama_replicates_kv_heads_over_more_ranks():
+    """models/ Llama, 4 heads / 2 KV heads on 4 ranks: each rank keeps one whole KV head."""
+    for diff, rec, _, notes in multirank.run(tp_equivalence, 4, args=("models-llama", 2), timeout_s=TIMEOUT_S):
+        assert diff < 1e-4 and rec["fuse_attention"][0] == 2, (diff, rec["fuse_attention"])
 
 
 def test_model_without_a_plan_is_refused():

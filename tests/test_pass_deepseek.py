@@ -5,6 +5,7 @@ rewritten graph computes the same function."""
 
 import copy
 import functools
+import operator
 import math
 
 import pytest
@@ -161,6 +162,42 @@ def test_fuse_moe_on_transformers_experts(arch, experts):
     assert rec["fuse_moe"].matches == 1 and experts in rec["fuse_moe"].decisions[0]
     assert count_calls(after, torch.ops.aten.bmm) <= count_calls(gm, torch.ops.aten.bmm)
     assert_same(gm, after, args)
+
+
+@pytest.fixture
+def expert_parallel_graph():
+    """Rank 0 of 2 with Mixtral's experts spread (sharding.expert_parallel on torch's fake
+    process group, held for the test: its all-reduce returns the input, so the graph runs in
+    one process)."""
+    import torch.distributed as dist
+
+    from metainfer import capture, distributed, sharding
+
+    with distributed.fake_job(2):
+        m = tiny_hf_model("Mixtral", "eager", layers=2, num_local_experts=4, num_experts_per_tok=2)
+        assert sharding.expert_parallel(m, dist.group.WORLD) == 2
+        ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        with capture.capturable(m):
+            yield capture_graph(lambda x: m(x).logits, ids)
+
+
+def test_fuse_moe_on_transformers_expert_parallel_experts(expert_parallel_graph):
+    gm, args = expert_parallel_graph
+    after, rec = run(gm, "fuse_moe")
+    assert rec["fuse_moe"].matches == 2, rec["fuse_moe"].near_misses  # 2 local experts each, top-2
+    assert count_calls(after, torch.ops.aten.where) < count_calls(gm, torch.ops.aten.where)  # sentinel rows gone
+    assert_same(gm, after, args)
+
+
+def test_fuse_moe_does_not_take_rows_zeroed_by_another_mask(expert_parallel_graph):
+    gm, args = expert_parallel_graph
+    for n in gm.graph.nodes:  # the sentinel test moved off by one: rows of a real expert zeroed too
+        if n.target is torch.ops.aten.ge.Scalar and n.args[1] == 2 and n.args[0].target is operator.getitem:
+            n.args = (n.args[0], 1)
+    gm.recompile()
+    after, rec = run(gm, "fuse_moe")
+    assert rec["fuse_moe"].matches == 0
+    assert all("mask other than the sorted ids >= 2" in m for m in rec["fuse_moe"].near_misses), rec["fuse_moe"].near_misses
 
 
 def test_fuse_moe_does_not_fire_on_a_partial_loop():

@@ -1,0 +1,293 @@
+"""A model's own parallel plans applied to it for inference: tensor parallelism through DTensor
+(`torch.distributed.tensor.parallel.parallelize_module`) and expert parallelism of its MoE
+layers, inside one group of ranks.
+
+- `tp_plan(model)`: Hugging Face's `base_model_tp_plan` (FQN pattern -> style name), or
+  `TP_PLAN` declared beside a models/ model.
+- `check_shardable(model, degree)` / `shard(model, mesh)`: every style name Hugging Face's
+  plans use, honoured as torch's parallel styles (table `_STYLES`); styles that only matter
+  for gradients are no-ops here; a style that cannot be honoured is refused by name before
+  any collective.
+- More ranks than key-value heads: each K/V projection keeps the one head its rank's query
+  heads read, whole (the heads are replicated across the ranks that share them, as vLLM does),
+  and the attention modules are told their new query-per-KV-head ratio.
+- `expert_parallel(model, group)`: the routed experts spread over the group's ranks, for
+  models/ MoE layers (`shard_experts`) and for Hugging Face MoE models (their
+  `base_model_ep_plan`): each rank keeps E / n experts, routing ids are shifted to local ones
+  (the others point past the last expert, with weight 0) and the ranks' outputs are summed by
+  an all-reduce.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+
+import torch
+from torch.distributed.tensor.parallel import ParallelStyle
+
+# Hugging Face's tensor-parallel style names (transformers.distributed.tensor_parallel) and what
+# each is at inference. "gradients only": the style adds a collective to the backward, none to
+# the forward, so the module stays whole on every rank.
+_GRADIENTS_ONLY = {"replicated_with_grad_allreduce", "replicate", "mla_kv_a_proj", "local_params", "local"}
+_REFUSED = {
+    "moe_tp_experts": "deprecated by transformers in favour of expert parallelism; metainfer spreads such "
+                      "experts with expert_parallel=True",
+}
+_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv")  # names of the key / value projections
+
+
+def _torch_style(style: str):
+    """The torch parallel style that does what Hugging Face's `style` does in a forward."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if style in ("colwise", "unit_colwise", "packed_colwise"):
+        return ColwiseParallel()
+    if style in ("rowwise", "unit_rowwise", "packed_rowwise"):
+        return RowwiseParallel()
+    if style in ("colwise_gather_output", "colwise_rep"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if style in ("rowwise_split_input", "rowwise_rep"):
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "embedding_rowwise":  # vocabulary split, partial lookups summed
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "embedding_colwise":  # each rank a slice of every vector, gathered
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "sequence_parallel":
+        return SequenceParallel(use_local_output=True)
+    if style == "all_reduce":  # the module's output is a partial sum
+        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
+    return None
+
+
+STYLES = ("colwise", "unit_colwise", "packed_colwise", "rowwise", "unit_rowwise", "packed_rowwise",
+          "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
+          "embedding_colwise", "sequence_parallel", "all_reduce", *sorted(_GRADIENTS_ONLY))
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan: FQN pattern -> style name."""
+    declared = getattr(type(model), "TP_PLAN", None)
+    if declared is not None:
+        return dict(declared)
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if plan:
+        return _prefixed(model, plan)
+    raise ValueError(f"{type(model).__name__} has no tensor-parallel plan: neither a Hugging Face "
+                     "config.base_model_tp_plan nor a TP_PLAN declared on the model class")
+
+
+def ep_plan(model: torch.nn.Module) -> dict[str, str]:
+    """Hugging Face's expert-parallel plan of the model (empty if it has none)."""
+    return _prefixed(model, getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {})
+
+
+def _prefixed(model, plan: dict) -> dict[str, str]:
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
+        return {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
+def _heads(model) -> tuple[int, int, int] | None:
+    """(attention heads, key-value heads, head dim) from the model's config, or None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    if not heads:
+        return None
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "dim", None)
+    head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden else None)
+    return heads, kv, head_dim
+
+
+def _matching(model, pattern: str):
+    return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, pattern)]
+
+
+def _replicated_kv(model, plan: dict[str, str], degree: int) -> dict[str, str]:
+    """The K/V projection entries whose heads are replicated at `degree` (more ranks than KV
+    heads), after checking they can be; empty where the heads split."""
+    h, kv, head_dim = _heads(model)
+    if kv >= degree or h == kv:
+        return {}
+    if degree % kv or not head_dim:
+        raise ValueError(f"{type(model).__name__}: {kv} key-value heads neither split over nor replicate onto "
+                         f"tensor-parallel degree {degree} (it must be a multiple of {kv})")
+    entries = {p: s for p, s in plan.items()
+               if p.rsplit(".", 1)[-1] in _KV_PROJECTIONS and s in ("colwise", "unit_colwise")}
+    for pattern in entries:
+        for name, m in _matching(model, pattern):
+            if getattr(m, "out_features", None) != kv * head_dim:
+                raise ValueError(f"{name}: {getattr(m, 'out_features', None)} output features, not {kv} key-value "
+                                 f"heads of {head_dim}: cannot replicate its heads over {degree} ranks")
+    return entries
+
+
+def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
+    """The plan, after checking it can be applied at `degree` (before any collective)."""
+    plan = tp_plan(model)
+    bad = sorted({v for v in plan.values() if v not in STYLES})
+    if bad:
+        why = "; ".join(f"{s}: {_REFUSED[s]}" for s in bad if s in _REFUSED)
+        raise ValueError(f"tensor-parallel plan of {type(model).__name__} uses style(s) {bad} that metainfer cannot "
+                         f"honour{' (' + why + ')' if why else ''}; it applies {list(STYLES)}")
+    heads = _heads(model)
+    if heads is not None:
+        h, kv, _ = heads
+        if h % degree:
+            raise ValueError(f"{type(model).__name__}: {h} attention heads / {kv} key-value heads do not split "
+                             f"over tensor-parallel degree {degree}")
+        if kv % degree:
+            _replicated_kv(model, plan, degree)
+    quantised = [n for n, m in model.named_modules() if getattr(m, "block", 0) and any(fnmatch.fnmatchcase(n, p) for p in plan)]
+    if quantised:
+        raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
+                         f"supported yet ({quantised[0]} and others would need their scales split too)")
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if len(unmatched) == len(plan):
+        raise ValueError(f"tensor-parallel plan of {type(model).__name__} matches none of its modules "
+                         f"(e.g. {unmatched[0]!r})")
+    return plan
+
+
+def _local_chunk(t: torch.Tensor, dim: int, rank: int, degree: int, what: str) -> torch.nn.Parameter:
+    if t.shape[dim] % degree:
+        raise ValueError(f"{what}: size {t.shape[dim]} along dim {dim} does not split over {degree} ranks")
+    return torch.nn.Parameter(t.detach().chunk(degree, dim)[rank].clone(), requires_grad=False)
+
+
+def _interleave(module: torch.nn.Module, dim: int, degree: int) -> None:
+    """A packed weight ([gate; up] along `dim`) reordered so that rank r's contiguous chunk is
+    [gate_r; up_r]: the module's own split of its local output then finds its halves."""
+    w = module.weight.detach()
+    n = w.shape[dim]
+    if n % (2 * degree):
+        raise ValueError(f"packed weight of {n} along dim {dim} does not split into 2 x {degree} shards")
+    parts = [p.chunk(degree, dim) for p in w.chunk(2, dim)]
+    module.weight = torch.nn.Parameter(torch.cat([q for r in range(degree) for q in (parts[0][r], parts[1][r])], dim),
+                                       requires_grad=False)
+
+
+def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
+    """Shard `model` in place over the 1-D `mesh` with its plan; returns the plan."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    degree, rank = mesh.size(), mesh.get_local_rank()
+    plan = check_shardable(model, degree)
+    replicated = _replicated_kv(model, plan, degree) if _heads(model) else {}
+    params = dict(model.named_parameters())
+    styles = {}
+    for pattern, style in plan.items():
+        if style in _GRADIENTS_ONLY:
+            continue
+        owners = _matching(model, pattern)
+        if not owners:  # a plan entry may name a bare parameter (per-head sinks): this rank's chunk
+            for name in [n for n in params if fnmatch.fnmatchcase(n, pattern)]:
+                parent, _, leaf = name.rpartition(".")
+                dim = 0 if "colwise" in style else -1
+                setattr(model.get_submodule(parent), leaf, _local_chunk(params[name], dim, rank, degree, name))
+            continue
+        if pattern in replicated:
+            styles[pattern] = ReplicatedHeads(*_heads(model)[1:])
+            continue
+        if style.startswith("packed_"):
+            for _, m in owners:
+                _interleave(m, 0 if style == "packed_colwise" else -1, degree)
+        styles[pattern] = _torch_style(style)
+    with warnings.catch_warnings():  # a pattern need not match in every layer (dense vs MoE layers)
+        warnings.filterwarnings("ignore", message="Parallelize plan key")
+        parallelize_module(model, mesh, styles)
+    if replicated:
+        h = _heads(model)[0]
+        for m in model.modules():  # each rank: h / degree query heads over its one KV head
+            if isinstance(getattr(m, "num_key_value_groups", None), int):
+                m.num_key_value_groups = h // degree
+    return plan
+
+
+class ReplicatedHeads(ParallelStyle):
+    """A K/V projection at a degree above the KV head count: rank r keeps, whole, the head its
+    query heads read (r // (degree / kv)); the input is the replicated hidden state and the
+    output this rank's heads, so there is nothing to communicate."""
+
+    def __init__(self, kv: int, head_dim: int):
+        self.kv, self.head_dim = kv, head_dim
+
+    def _apply(self, module, mesh):
+        head = mesh.get_local_rank() // (mesh.size() // self.kv)
+        rows = slice(head * self.head_dim, (head + 1) * self.head_dim)
+        module.weight = torch.nn.Parameter(module.weight.detach()[rows].clone(), requires_grad=False)
+        if getattr(module, "bias", None) is not None:
+            module.bias = torch.nn.Parameter(module.bias.detach()[rows].clone(), requires_grad=False)
+        return module
+
+
+# ---- expert parallelism ------------------------------------------------------------------
+
+def hf_expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules Hugging Face's expert-parallel plan dispatches to (`ep_dispatch_experts`)."""
+    out = []
+    for pattern, style in ep_plan(model).items():
+        if style == "ep_dispatch_experts":
+            out += [(n, m) for n, m in _matching(model, pattern) if isinstance(getattr(m, "num_experts", None), int)]
+    return out
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` has MoE layers that expert_parallel() can spread."""
+    return (any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
+            or bool(hf_expert_modules(model)))
+
+
+def expert_counts(model: torch.nn.Module) -> set[int]:
+    return ({m.n_experts for m in model.modules() if callable(getattr(m, "shard_experts", None))}
+            | {m.num_experts for _, m in hf_expert_modules(model)})
+
+
+def expert_parallel(model: torch.nn.Module, group) -> int:
+    """Spread the routed experts of every MoE layer over the group's ranks; returns how many
+    layers."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layers = [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
+    for m in layers:
+        m.shard_experts(rank, world, group)
+    hf = hf_expert_modules(model)
+    for name, m in hf:
+        _spread_hf_experts(name, m, rank, world, group)
+    return len(layers) + len(hf)
+
+
+def _spread_hf_experts(name: str, experts: torch.nn.Module, rank: int, world: int, group) -> None:
+    """Keep experts [rank E/world, (rank+1) E/world) of a transformers experts module: its
+    stacked (E, ...) parameters sliced, `num_experts` the local count, routing ids shifted
+    (others point at the sentinel E/world with weight 0, which transformers' experts skip),
+    the ranks' partial outputs summed."""
+    from torch.distributed import _functional_collectives as funcol
+
+    E = experts.num_experts
+    if E % world:
+        raise ValueError(f"{E} experts do not split over {world} ranks for expert parallelism ({name})")
+    per, lo = E // world, rank * (E // world)
+    for pname, p in list(experts.named_parameters(recurse=False)):
+        if p.dim() >= 1 and p.shape[0] == E:
+            setattr(experts, pname, torch.nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=False))
+    experts.num_experts = per
+    if hasattr(experts, "_is_expert_parallel"):  # transformers' implementations mask the sentinel ids
+        experts._is_expert_parallel = True
+
+    def local_routing(module, args):
+        hidden, ids, weights = args[:3]
+        local = ids - lo
+        off = (local < 0) | (local >= per)
+        return (hidden, local.masked_fill(off, per), weights.masked_fill(off, 0.0), *args[3:])
+
+    experts.register_forward_pre_hook(local_routing)
+    experts.register_forward_hook(lambda module, args, out: funcol.all_reduce(out, "sum", group))

@@ -1,0 +1,123 @@
+"""metainfer.sharding: every tensor-parallel style name Hugging Face's plans use, applied on 2
+gloo ranks to a small model that uses them all and compared with the unsharded model; styles
+that cannot be honoured, and K/V heads that can neither split nor replicate, refused by name
+before any collective."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metainfer import multirank, sharding
+from metainfer.testing import tiny_hf_model
+
+TIMEOUT_S = int(os.environ.get("METAINFER_TEST_RANK_TIMEOUT", 240))
+
+
+class _Mix(nn.Module):
+    """A module whose output is a partial sum on each rank: its own weight `w` is split along
+    its input dim (a plan entry naming a bare parameter) and `inner` colwise."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.inner = nn.Linear(d, 2 * d)
+        self.w = nn.Parameter(torch.randn(d, 2 * d) / d)
+
+    def forward(self, x):
+        return self.inner(x) @ self.w.t()
+
+
+class StyleZoo(nn.Module):
+    TP_PLAN = {"embed": "embedding_rowwise", "embed2": "embedding_colwise", "up": "colwise_gather_output",
+               "down": "rowwise_split_input", "gate_up": "packed_colwise", "down2": "rowwise",
+               "norm": "sequence_parallel", "mix": "all_reduce", "mix.inner": "colwise", "mix.w": "rowwise",
+               "head_norm": "replicated_with_grad_allreduce", "gate_up2": "colwise_rep", "down3": "rowwise_rep"}
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed, self.embed2 = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gate_up, self.down2 = nn.Linear(d, 8 * d, bias=False), nn.Linear(4 * d, d)
+        self.gate_up2, self.down3 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.norm, self.head_norm = nn.LayerNorm(d), nn.RMSNorm(d)
+        self.mix = _Mix(d)
+        self.lm = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.embed2(ids)
+        x = x + self.down(F.gelu(self.up(x)))
+        g, u = self.gate_up(x).chunk(2, -1)
+        x = x + self.down2(F.silu(g) * u)
+        x = x + self.down3(torch.tanh(self.gate_up2(x)))
+        x = self.norm(x)
+        x = x + self.mix(x)
+        return self.lm(self.head_norm(x))
+
+
+def zoo_run(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = StyleZoo().eval()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)
+        sharding.shard(model, init_device_mesh("cpu", (world,)))
+        out = model(ids)
+    local = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape) for n, p in model.named_parameters()}
+    return (out - ref).abs().max().item(), local
+
+
+def test_every_style_name_on_two_ranks():
+    results = multirank.run(zoo_run, 2, timeout_s=TIMEOUT_S)
+    for diff, local in results:
+        assert diff < 1e-5, diff
+        assert local["embed.weight"] == (16, 16)  # vocabulary split
+        assert local["embed2.weight"] == (32, 8)  # hidden split
+        assert local["gate_up.weight"] == (64, 16)  # this rank's gate and up rows
+        assert local["mix.w"] == (16, 16)  # a bare parameter: its chunk
+        assert local["head_norm.weight"] == (16,)  # gradients-only style: whole
+
+
+def test_styles_that_cannot_be_honoured_are_named():
+    class Deprecated(StyleZoo):
+        TP_PLAN = {"up": "colwise", "down": "moe_tp_experts"}
+
+    with pytest.raises(ValueError, match=r"moe_tp_experts.*expert_parallel=True"):
+        sharding.check_shardable(Deprecated(), 2)
+
+    class Unknown(StyleZoo):
+        TP_PLAN = {"up": "diagonal"}
+
+    with pytest.raises(ValueError, match=r"\['diagonal'\]"):
+        sharding.check_shardable(Unknown(), 2)
+
+
+def test_kv_heads_that_neither_split_nor_replicate_are_refused():
+    model = tiny_hf_model("Llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    with pytest.raises(ValueError, match="2 key-value heads neither split over nor replicate onto.*3"):
+        sharding.check_shardable(model, 3)
+    assert sharding.check_shardable(model, 2)  # 3 query heads over 1 KV head per rank
+    with pytest.raises(ValueError, match="6 attention heads .* do not split over tensor-parallel degree 4"):
+        sharding.check_shardable(model, 4)
+
+
+def test_the_planner_spreads_hugging_face_experts():
+    """Qwen3-30B-A3B's shape on meta, pcie8: its experts stay whole under the tensor-parallel
+    plan (they are in its expert-parallel plan), so with tp 8 only the plan that spreads them
+    runs, as for models/ DeepSeek."""
+    import transformers
+
+    from metainfer import distributed, targets
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                      num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                                      moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert sharding.has_experts(model) and sharding.expert_counts(model) == {128}
+    d = distributed.choose_degrees(model, targets.get("pcie8"), 8)
+    assert (d.tp, d.expert_parallel) == (8, True), d.why
+    assert d.why.startswith("degrees: tp8 ep8")

@@ -1,5 +1,5 @@
 """Triton building blocks shared by the kernels: a dot that works around the interpreter,
-the online-softmax step of the flash-attention kernels (attention, sparse_attention,
+logit soft-capping, the online-softmax step of the flash-attention kernels (attention, sparse_attention,
 mla_decode, paged_attention), and the merge of a decode step's key splits (flash-decoding:
 several programs share one row's keys, each keeping its own online-softmax state)."""
 
@@ -18,6 +18,16 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap) (Gemma 2's logit soft-capping). tl has no tanh, so through exp of a
+    non-positive argument: no overflow, |error| about one float32 ulp of cap."""
+    x = s / cap
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(x < 0, -th, th)
 
 
 @triton.jit

@@ -5,6 +5,9 @@ query head h reads kv head h // (Hq // Hkv), K/V are never expanded). `mask` is 
 broadcastable to (B, Hq, Sq, Sk): float = added to the scaled scores, bool = True keeps.
 `causal` keeps key j for query i iff j <= i + causal_offset (offset 0 is torch's top-left
 `is_causal`; Sk - Sq is the bottom-right form a decode step with a KV cache needs).
+`window` W > 0 (causal only) also drops keys j <= i + causal_offset - W: each query sees its
+last W positions, itself included (Hugging Face's sliding window: kv > q - W and kv <= q).
+`softcap` c > 0 caps the scaled scores to c * tanh(scores / c) before any mask (Gemma 2).
 A query row that keeps no key gives NaN, as softmax over an all -inf row does in eager code,
 or 0 with `zero_empty_rows` (what torch's SDPA returns there).
 D and Dv may differ (MLA), both up to 256. The output is (B, Hq, Sq, Dv), contiguous, in
@@ -13,7 +16,7 @@ q's dtype; accumulation is float32.
 Three implementations of the same function:
 - `_attention_fwd`: the Triton kernel (online softmax, the Sq x Sk matrix never exists). One
   program per (block of query rows, batch x head); key blocks above the causal diagonal are
-  never visited. A decode step (one query block) with fewer batch x head programs than the GPU
+  never visited, nor, with a window, those wholly before it. A decode step (one query block) with fewer batch x head programs than the GPU
   has SMs splits the keys over several programs (flash-decoding, grid axis 2): each writes its
   unnormalised accumulator, row max and sum of exp, and `_flash.combine_splits` merges them
   exactly. The split count comes from the config (`_common.split_count`). On a CUDA GPU
@@ -32,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
+from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, interpreted, next_pow2, split_count,
                       tune_candidates)
 
@@ -49,9 +52,11 @@ def _attention_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     num_heads, group, seq_q, seq_k, head_d, head_dv,
-    scale, causal_offset, split_keys,
+    scale, causal_offset, split_keys, softcap, window,
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,  # with CAUSAL: keys before the sliding window are dropped
     ZERO_EMPTY_ROWS: tl.constexpr,
     SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,15 +95,24 @@ def _attention_fwd(
     # this program's share of the keys (all of them with one split)
     lo = split * split_keys
     hi = tl.minimum(hi, lo + split_keys)
+    if WINDOW:
+        # the first query row of this block sees keys from (its index + offset - window + 1):
+        # start at the key block holding that one
+        first = pid_m * BLOCK_M + causal_offset - window + 1
+        lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_ok = offs_n < hi
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
         s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         keep = col_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if WINDOW:
+            keep = keep & (offs_n[None, :] > offs_m[:, None] + causal_offset - window)
         if MASK_KIND == 1:
             mval = tl.load(m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -129,7 +143,8 @@ def _attention_fwd(
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
 
 
-def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
+def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False, softcap=0.0,
+                 window=0) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(NAME, name, t)
@@ -162,21 +177,27 @@ def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=Fa
     check(isinstance(causal, bool), NAME, f"causal must be a bool, got {causal!r}")
     check(isinstance(causal_offset, int), NAME, f"causal_offset must be an int, got {causal_offset!r}")
     check(isinstance(zero_empty_rows, bool), NAME, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
+    check(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+          and softcap >= 0, NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    check(isinstance(window, int) and not isinstance(window, bool) and window >= 0, NAME,
+          f"window must be an int >= 0 (0: none), got {window!r}")
+    check(window == 0 or causal, NAME, f"a sliding window ({window}) needs causal=True: it counts back from the "
+                                       "causal diagonal")
 
 
 # triton.autotune's shape buckets (CUDA only): query and key counts by powers of two, capped,
 # so a decode context growing token by token is tuned once per doubling, not per step
-_TUNE_KEY = ("BLOCK_D", "BLOCK_DV", "MASK_KIND", "CAUSAL", "SPLIT")
+_TUNE_KEY = ("BLOCK_D", "BLOCK_DV", "MASK_KIND", "CAUSAL", "SOFTCAP", "WINDOW", "SPLIT")
 _MAX_Q_BUCKET, _MAX_K_BUCKET = 256, 16384
 
 
-def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False, *,
-           config: dict) -> torch.Tensor:
+def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False,
+           softcap: float = 0.0, window: int = 0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
     num_warps, num_stages; the key split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to
     force a count, see _common.split_count); and AUTOTUNE, alternatives that triton.autotune times
     against the row's own config on a CUDA GPU (elsewhere the row's config runs)."""
-    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
+    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
@@ -209,9 +230,9 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     args = (q, k, v, m, out, ws_acc, ws_ml,
             *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
             Hq, Hq // Hkv, Sq, Sk, D, Dv,
-            float(scale), int(causal_offset), split_keys)
+            float(scale), int(causal_offset), split_keys, float(softcap or 1.0), int(window))
     meta = dict(
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
+        MASK_KIND=mask_kind, CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0, ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
@@ -233,23 +254,28 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     return out
 
 
-def _keep_mask(Sq: int, Sk: int, causal_offset: int, device) -> torch.Tensor:
+def _keep_mask(Sq: int, Sk: int, causal_offset: int, device, window: int = 0, key_start: int = 0) -> torch.Tensor:
+    """Causal (and sliding-window) keep mask of Sq query rows over keys key_start .. key_start+Sk-1."""
     i = torch.arange(Sq, device=device)[:, None]
-    j = torch.arange(Sk, device=device)[None, :]
-    return j <= i + causal_offset
+    j = torch.arange(key_start, key_start + Sk, device=device)[None, :]
+    keep = j <= i + causal_offset
+    return keep & (j > i + causal_offset - window) if window > 0 else keep
 
 
-def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zero_empty_rows=False) -> torch.Tensor:
+def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zero_empty_rows=False,
+              softcap=0.0, window=0) -> torch.Tensor:
     """Plain math in float32 (K/V expanded, full score matrix): the oracle for tests."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
     if causal:
-        s = s.masked_fill(~_keep_mask(q.shape[2], k.shape[2], causal_offset, q.device), float("-inf"))
+        s = s.masked_fill(~_keep_mask(q.shape[2], k.shape[2], causal_offset, q.device, window), float("-inf"))
     p = torch.softmax(s, dim=-1)
     if zero_empty_rows:
         p = p.nan_to_num(nan=0.0)
@@ -260,25 +286,43 @@ def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zer
 _CPU_CHUNK_BYTES = 64 * 2**20
 
 
-def cpu_fused_path(head_dim, v_head_dim, mask_dtype, dtype, causal: bool, causal_offset) -> bool:
+def cpu_fused_path(head_dim, v_head_dim, mask_dtype, dtype, causal: bool, causal_offset, softcap=0.0,
+                   window=0) -> bool:
     """Whether `cpu_forward` runs torch's fused SDPA kernel for these inputs (else the chunked
     path, which writes the score matrix); the cost model prices the two differently."""
     return (head_dim == v_head_dim  # the CPU flash kernel needs Dv == D, else torch materialises
             and (mask_dtype is None or mask_dtype in (torch.bool, dtype))
-            and not (causal and (mask_dtype is not None or causal_offset != 0)))
+            and not (causal and (mask_dtype is not None or causal_offset != 0))
+            and not softcap and not window)  # SDPA has neither
 
 
-def chunked_score_passes(has_mask: bool, causal: bool) -> int:
+def chunk_keys(rows: int, keys: int, window: int) -> int:
+    """Keys a chunk of `rows` query rows scores in the chunked path: with a window only those
+    of its rows' windows (rows - 1 + window of them), else all."""
+    return min(keys, rows - 1 + window) if window > 0 else keys
+
+
+def _chunk_rows(B: int, Hq: int, Sq: int, Sk: int, window: int) -> int:
+    return max(1, min(Sq, _CPU_CHUNK_BYTES // max(1, B * Hq * chunk_keys(Sq, Sk, window) * 4)))
+
+
+def chunked_keys_per_row(B: int, Hq: int, Sq: int, Sk: int, window: int) -> int:
+    """Keys the chunked path scores per query row (for the cost model)."""
+    return chunk_keys(_chunk_rows(B, Hq, Sq, Sk, window), Sk, window)
+
+
+def chunked_score_passes(has_mask: bool, causal: bool, softcap: bool = False) -> int:
     """Reads and writes of the fp32 score matrix by `_chunked`: the product written, scaled,
-    masked (and causally masked), softmax, read by p @ v."""
-    return 1 + 2 + 2 * has_mask + 2 * causal + 2 + 1
+    soft-capped (divide, tanh, multiply), masked (and causally masked), softmax, read by p @ v."""
+    return 1 + 2 + 6 * softcap + 2 * has_mask + 2 * causal + 2 + 1
 
 
 def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int,
-                zero_empty_rows: bool = False) -> torch.Tensor:
+                zero_empty_rows: bool = False, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """CPU path: torch's fused flash kernel where it computes exactly this, else chunked."""
-    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
-    if cpu_fused_path(q.shape[-1], v.shape[-1], None if mask is None else mask.dtype, q.dtype, causal, causal_offset):
+    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    if cpu_fused_path(q.shape[-1], v.shape[-1], None if mask is None else mask.dtype, q.dtype, causal, causal_offset,
+                      softcap, window):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1]).contiguous()
@@ -289,10 +333,10 @@ def cpu_forward(q, k, v, mask, scale: float, causal: bool, causal_offset: int,
             if empty.any():
                 out = out.masked_fill(empty, float("nan"))
         return out
-    return _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows)
+    return _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
 
 
-def _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False) -> torch.Tensor:
+def _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False, softcap=0.0, window=0) -> torch.Tensor:
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -302,19 +346,28 @@ def _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False)
     kt = k.float().transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, Sk)
     vf = v.float().unsqueeze(2)  # (B, Hkv, 1, Sk, Dv)
     m5 = None if mask is None else _grouped_mask(mask, Hkv, G)
-    chunk = max(1, min(Sq, _CPU_CHUNK_BYTES // max(1, B * Hq * Sk * 4)))
+    chunk = _chunk_rows(B, Hq, Sq, Sk, window)
     for i0 in range(0, Sq, chunk):
         i1 = min(Sq, i0 + chunk)
-        s = (qg[:, :, :, i0:i1].float() @ kt) * scale  # (B, Hkv, G, rows, Sk)
+        # with a window only the keys these rows can see: O(rows x (rows + window)), not x Sk
+        k0, k1 = (0, Sk) if window <= 0 else (
+            min(Sk, max(0, i0 + causal_offset - window + 1)), min(Sk, max(0, i1 + causal_offset)))
+        if k1 <= k0 and Sk > 0:  # no row sees a key: score one that the mask drops (NaN rows, as eager)
+            k0, k1 = 0, 1
+        s = (qg[:, :, :, i0:i1].float() @ kt[..., k0:k1]) * scale  # (B, Hkv, G, rows, keys)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         if m5 is not None:
             mc = m5 if m5.shape[3] == 1 else m5[:, :, :, i0:i1]
+            mc = mc if mc.shape[4] == 1 else mc[..., k0:k1]
             s = s.masked_fill(~mc, float("-inf")) if mc.dtype == torch.bool else s + mc.float()
         if causal:
-            s = s.masked_fill(~_keep_mask(i1 - i0, Sk, causal_offset + i0, q.device), float("-inf"))
+            keep = _keep_mask(i1 - i0, k1 - k0, causal_offset + i0, q.device, window, key_start=k0)
+            s = s.masked_fill(~keep, float("-inf"))
         p = torch.softmax(s, dim=-1)
         if zero_empty_rows:
             p = p.nan_to_num(nan=0.0)
-        og[:, :, :, i0:i1] = (p @ vf).to(q.dtype)
+        og[:, :, :, i0:i1] = (p @ vf[..., k0:k1, :]).to(q.dtype)
     return out
 
 

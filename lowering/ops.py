@@ -34,16 +34,19 @@ __all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp
 
 @torch.library.custom_op("metainfer::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-              causal: bool, causal_offset: int, zero_empty_rows: bool) -> Tensor:
-    """softmax(q k^T * scale + mask) v with GQA, see metainfer.kernels.attention."""
+              causal: bool, causal_offset: int, zero_empty_rows: bool, softcap: float = 0.0,
+              window: int = 0) -> Tensor:
+    """softmax(softcap(q k^T * scale) + mask) v with GQA, causal / sliding-window masks built
+    in; see metainfer.kernels.attention."""
+    args = (q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
     if kernels.use_triton(q):
         cfg = config_for("attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]), dtype=q.dtype)
-        return _attention.launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, config=cfg)
-    return _attention.cpu_forward(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows).contiguous()
+        return _attention.launch(*args, config=cfg)
+    return _attention.cpu_forward(*args).contiguous()
 
 
 @attention.register_fake
-def _(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows):
+def _(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap=0.0, window=0):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
 

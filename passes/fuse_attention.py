@@ -4,13 +4,16 @@ Forms recognised (post-grad ATen):
 - eager: bmm(softmax(scale * bmm(q, k^T) [+ mask | where(keep, ., -inf)]), v), with the
   expand/reshape that `matmul` decomposes into, dtype casts around the softmax (HF's
   float32 softmax), the scale as mul or div on the scores, GQA `repeat_kv`
-  (unsqueeze/expand/reshape) or broadcasting of single-head K/V, and masks added or
-  applied with `where`;
+  (unsqueeze/expand/reshape) or broadcasting of single-head K/V, masks added or
+  applied with `where`, and logit soft-capping before the mask (Gemma 2:
+  c * tanh(scores / c); any positive factors inside and outside the tanh, read as
+  softcap = the factor outside, scale = softcap x the factors inside);
 - SDPA: `scaled_dot_product_attention` and its backend ops (flash/efficient/cudnn/CPU),
   with an explicit mask or `is_causal`.
 
-Masks built inside the graph are proven causal by `mask_analysis` and dropped in favour of
-the kernel's causal flag; any other mask is passed to the op as a tensor. K/V are passed
+Masks built inside the graph are proven causal, or causal with a sliding window (keys
+i + offset - W < j <= i + offset), by `mask_analysis` and dropped in favour of the kernel's
+causal flag and window; any other mask is passed to the op as a tensor. K/V are passed
 un-repeated, so GQA costs no copies. The pass does not fire when an intermediate (the
 scores or probabilities) has another user, when there is dropout, or when shapes, dtypes,
 scales or masks fall outside what the op computes; such near misses go to the report.
@@ -76,9 +79,12 @@ class Match:
     causal_offset: int = 0
     mask: Node | None = None
     mask_negate: bool = False  # mask is a "drop" predicate: pass logical_not(mask)
+    softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap) before the mask (0: none)
+    window: int = 0  # sliding window on top of the causal mask (0: none)
     unsqueeze_batch: bool = False  # operands were 3-D (batch*heads, seq, dim)
     zero_empty_rows: bool = False  # SDPA's convention for query rows with no key kept
     notes: list[str] = field(default_factory=list)
+    misses: list[str] = field(default_factory=list)  # a faster form not taken (the op still fires)
     region: set[Node] = field(default_factory=set)  # nodes the op replaces (size reads rehomed)
 
 
@@ -103,6 +109,7 @@ class FuseAttention(Pass):
             rewrite(graph, m)
             res.matches += 1
             res.decisions.append(describe(m, node))
+            res.near_misses.extend(f"{location(node)}: {why}" for why in m.misses)
         res.modified = res.matches > 0
         return res
 
@@ -138,7 +145,7 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
     probs_region += casts + sm_nodes[:1]
     region = probs_region + sm_nodes[1:]
 
-    scale, masks, keeps, chain, qk = _parse_scores(logits)
+    scale, softcap, masks, keeps, chain, qk = _parse_scores(logits)
     region += chain
     a3, b3 = qk.args[0], qk.args[1]
     q4, q_views = _peel(a3)
@@ -168,7 +175,10 @@ def _match_eager(pv: Node, interp: ma.MaskInterpreter) -> Match | None:
 
     _check_exclusive(region, probs=set(probs_region), allowed_exit=pv)
     m = Match(form="eager" if safe is None else "sdpa (math)", anchor=pv, replace=[], replace_3d=[], q=q, k=k,
-              v=v, scale=scale, unsqueeze_batch=three_d, region=set(region) - {pv}, zero_empty_rows=safe is not None)
+              v=v, scale=scale, softcap=softcap, unsqueeze_batch=three_d, region=set(region) - {pv},
+              zero_empty_rows=safe is not None)
+    if softcap:
+        m.notes.append(f"soft-capped at {softcap:.4g}")
     _resolve_masks(m, masks, keeps, interp, score_dtype=dtype(logits))
     _strip_gqa(m)
     _check_fits(m)
@@ -320,7 +330,7 @@ def _chain_inputs(n) -> list | None:
     a mask's add or where), [] at the q k^T bmm, None for an op the chain cannot hold."""
     if is_op(n, aten.bmm):
         return []
-    if is_op(n, *CONVERT_OPS, *VIEW_OPS) or (is_op(n, aten.mul, aten.div) and is_scalar(n.args[1])):
+    if is_op(n, *CONVERT_OPS, *VIEW_OPS, aten.tanh) or (is_op(n, aten.mul, aten.div) and is_scalar(n.args[1])):
         return [n.args[0]]
     if is_op(n, aten.mul) and is_scalar(n.args[0]):
         return [n.args[1]]
@@ -337,17 +347,8 @@ def _reaches_bmm(n, depth: int = 12) -> bool:
     return ins is not None and (is_op(n, aten.bmm) or any(_reaches_bmm(i, depth - 1) for i in ins))
 
 
-# Ops that are not part of what metainfer.attention computes, by what they mean in a model.
-_KNOWN_BLOCKERS = {
-    aten.tanh: "logit soft-capping (cap * tanh(scores / cap), as in Gemma 2): the fused op has no soft-cap",
-}
-
-
 def _blocked_by(n) -> str:
     """The near miss for an op between the q k^T matmul and the softmax."""
-    for op, why in _KNOWN_BLOCKERS.items():
-        if is_op(n, op):
-            return f"{why} ({n.name})"
     return f"unsupported op {getattr(n, 'target', n)} between the q k^T matmul and the softmax"
 
 
@@ -369,10 +370,17 @@ def _off_chain_op(n, depth: int = 12, seen: set | None = None):
 
 
 def _parse_scores(x: Node):
-    """Walk from the softmax input down to the q k^T bmm: scale, masks, the chain's nodes."""
-    scale, masks, keeps, chain = 1.0, [], [], []
+    """Walk from the softmax input down to the q k^T bmm: scale, soft-cap, masks, the chain's
+    nodes. Soft-capping c2 * tanh(c1 * s) is exactly softcap * tanh(scale * s / softcap) with
+    softcap = c2 and scale = c1 * c2: the factors outside the tanh (gathered when it is met)
+    are the soft-cap, and the walk goes on multiplying the scale by those inside."""
+    scale, softcap, masks, keeps, chain = 1.0, 0.0, [], [], []
     scaled = False  # a scale seen above (applied after) the current point
+    capped = None  # the tanh, once passed: masks below it would be inside the soft-cap
     while True:
+        if capped is not None and is_op(x, aten.add, aten.where):
+            raise NearMiss(f"a mask or bias is applied inside the soft-cap ({capped.name}): the op applies "
+                           "masks after it")
         if is_op(x, *CONVERT_OPS):
             chain.append(x)
             x = x.args[0]
@@ -419,12 +427,18 @@ def _parse_scores(x: Node):
                 raise NearMiss("where() on the scores broadcasts them to a larger shape")
             chain.append(x)
             x = x_next
+        elif is_op(x, aten.tanh):
+            if capped is not None:
+                raise NearMiss(f"two tanh soft-caps on the scores ({x.name}, {capped.name})")
+            softcap, capped = scale, x
+            chain.append(x)
+            x = x.args[0]
         elif is_reshape(x) and is_op(x.args[0], aten.bmm) and ndim(x) == 4:
             chain.append(x)
             x = x.args[0]
         elif is_op(x, aten.bmm):
             chain.append(x)
-            return scale, masks, keeps, chain, x
+            return scale, softcap, masks, keeps, chain, x
         else:
             raise NearMiss(_blocked_by(x))
 
@@ -442,24 +456,34 @@ def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -
 
 def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
                    interp: ma.MaskInterpreter, score_dtype) -> None:
-    offsets, tensors, dropped = [], [], 0
+    bands, tensors, dropped = [], [], 0  # bands: (node, kind, offset, window) proven in the graph
     parts = [(mk, "additive") for mk in masks] + [(c, "keep" if k else "drop") for c, k in keeps]
     for node, kind in parts:
         if ma.keeps_everything(node, interp, kind=kind, score_dtype=score_dtype):
             dropped += 1
             continue
-        off = ma.causal_offset(node, interp, kind=kind, score_dtype=score_dtype)
-        if _usable_offset(off, m):
-            offsets.append(off)
-        else:
+        found = ma.causal_window(node, interp, kind=kind, score_dtype=score_dtype)
+        if found is not None and not isinstance(found[1], int):
+            m.misses.append(f"sliding-window mask {node.name} passed as a tensor: its width {found[1]} is not a "
+                            "constant")
+            found = None
+        if found is None:
             tensors.append((node, kind))
+        else:
+            bands.append((node, kind, *found))
     if dropped:
         m.notes.append("a mask that keeps every key (proven) dropped")
-    if any(not same(o, offsets[0]) for o in offsets[1:]):
-        raise NearMiss(f"several causal masks with different offsets {[str(o) for o in offsets]}")
-    if offsets:
-        m.causal, m.causal_offset = True, offsets[0]
-        m.notes.append(f"causal, offset {offsets[0]} (mask built in the graph, proven)")
+    if bands:
+        off, window = _intersect([(o, w) for _, _, o, w in bands])
+        why = _unusable_band(off, window, m)
+        if why is None:
+            m.causal, m.causal_offset, m.window = True, off, window
+            m.notes.append(f"causal, offset {off}" + (f", sliding window {window}" if window else "")
+                           + " (mask built in the graph, proven)")
+        else:
+            if window:
+                m.misses.extend(f"sliding-window mask {n.name} passed as a tensor: {why}" for n, *_ in bands)
+            tensors += [(n, kind) for n, kind, _, _ in bands]
     if len(tensors) > 1:
         raise NearMiss(f"{len(tensors)} separate masks on the scores; the op takes one")
     if tensors:
@@ -470,6 +494,49 @@ def _resolve_masks(m: Match, masks: list[Node], keeps: list[tuple[Node, bool]],
         m.notes.append(f"{'additive' if kind == 'additive' else 'boolean'} mask {_fmt_shape(shape(node))}")
     if not m.causal and m.mask is None:
         m.notes.append("no mask")
+
+
+def _const_diff(a, b) -> int | None:
+    """a - b for sizes (ints or SymInts) whose difference is a constant, else None."""
+    d = a - b
+    if isinstance(d, int):
+        return d
+    e = d.node.expr
+    return int(e) if e.is_Integer else None
+
+
+def _intersect(bands: list[tuple]) -> tuple:
+    """(offset, window) of what several causal / sliding-window masks keep together: the
+    lowest diagonal and the highest window start (keys i + lower <= j <= i + upper)."""
+    ref = bands[0][0]
+    rel = [_const_diff(o, ref) for o, _ in bands]
+    if any(r is None for r in rel):
+        raise NearMiss(f"several causal masks with offsets {[str(o) for o, _ in bands]} that differ by a size")
+    upper = min(rel)
+    off = bands[rel.index(upper)][0]
+    lowers = [r - w + 1 for r, (_, w) in zip(rel, bands) if w]
+    if not lowers:
+        return off, 0
+    window = upper - max(lowers) + 1
+    if window < 1:
+        raise NearMiss("the causal and sliding-window masks together keep no key")
+    return off, window
+
+
+def _unusable_band(off, window, m: Match) -> str | None:
+    """Why a proven causal (sliding-window) mask cannot become the op's causal flag (and window),
+    None if it can. With a finite fill (HF's finfo.min) a query row that keeps no key is uniform
+    in eager code and NaN in the op, so every row must provably keep one: offset >= 0 (row 0
+    keeps key 0) and, with a window, offset + Sq <= Sk + window - 1 (the last row's window
+    reaches a key)."""
+    if not _usable_offset(off, m):
+        return f"its offset {off} is not provably >= 0 or not computable outside the attention"
+    if window:
+        B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = dims(m)
+        if not statically_known_true(off + Sq <= Sk + window - 1):
+            return (f"cannot prove every query row keeps a key (offset {off} + {Sq} queries <= {Sk} keys + "
+                    f"{window - 1})")
+    return None
 
 
 def _usable_offset(off, m: Match) -> bool:
@@ -626,6 +693,14 @@ def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
 
 # ---- rewrite ---------------------------------------------------------------------------
 
+def softcap_window(node: Node) -> tuple[float, int]:
+    """(softcap, window) of a metainfer::attention node; (0.0, 0) where it has neither (the
+    node then has the op's first eight arguments only)."""
+    softcap = node.args[8] if len(node.args) > 8 else node.kwargs.get("softcap", 0.0)
+    window = node.args[9] if len(node.args) > 9 else node.kwargs.get("window", 0)
+    return softcap, window
+
+
 def _materialise(graph, m: Match, op: Operand) -> Node:
     n = op.node
     if m.unsqueeze_batch:
@@ -644,9 +719,10 @@ def rewrite(graph, m: Match) -> None:
     mask = m.mask
     if mask is not None and m.mask_negate:
         mask = insert_call(graph, m.anchor, aten.logical_not.default, (mask,))
-    out = insert_call(graph, m.anchor, torch.ops.metainfer.attention.default,
-                      (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset, m.zero_empty_rows),
-                      exclude=m.region)
+    args = (q, k, v, mask, float(m.scale), bool(m.causal), m.causal_offset, m.zero_empty_rows)
+    if m.softcap or m.window:  # the op's optional arguments, left out where they are the defaults
+        args += (float(m.softcap), int(m.window))
+    out = insert_call(graph, m.anchor, torch.ops.metainfer.attention.default, args, exclude=m.region)
     for r in m.replace:
         r.replace_all_uses_with(out)
     for r in m.replace_3d:

@@ -254,16 +254,64 @@ def keep_predicate(node, interp: MaskInterpreter, *, kind: str, score_dtype: tor
 
 def causal_offset(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> "int | torch.SymInt | None":
     """Offset of a causal mask node (`kind` "additive", "keep" (True keeps) or "drop"), else
-    None: the keep predicate must be exactly key - query + rest <= 0 (or < 0), with rest an
-    integer free of indices (a size may be in it)."""
-    keep = keep_predicate(node, interp, kind=kind, score_dtype=score_dtype)
-    if not isinstance(keep, _INEQUALITIES):
+    None: it keeps key j for query i iff j <= i + offset (see `causal_window`, window 0)."""
+    found = causal_window(node, interp, kind=kind, score_dtype=score_dtype)
+    return found[0] if found is not None and isinstance(found[1], int) and found[1] == 0 else None
+
+
+def _key_minus_query_bound(rel) -> tuple[str, sympy.Expr] | None:
+    """An inequality read as a bound on key - query: ("upper", u) for key - query <= u,
+    ("lower", l) for key - query >= l, with u, l integers free of indices; else None."""
+    if not isinstance(rel, _INEQUALITIES):
         return None
-    d = keep.lhs - keep.rhs if isinstance(keep, (sympy.Le, sympy.Lt)) else keep.rhs - keep.lhs  # d <= 0 or d < 0
-    rest = sympy.expand(d - KEY + QUERY)
+    d = sympy.expand(rel.lhs - rel.rhs)
+    # as e <= 0 over the integers
+    e = {sympy.Le: d, sympy.Lt: d + 1, sympy.Ge: -d, sympy.Gt: 1 - d}[type(rel)]
+    c = e.diff(KEY)
+    if c not in (1, -1) or e.diff(QUERY) != -c:
+        return None
+    rest = sympy.expand(e - c * (KEY - QUERY))
     if _indices(rest) or not rest.is_integer:
         return None
-    return interp.symint(-rest if isinstance(keep, (sympy.Le, sympy.Ge)) else -rest - 1)
+    return ("upper", -rest) if c == 1 else ("lower", rest)
+
+
+def _extreme(values: set, pick):
+    """The min or max of expressions that differ by integer constants; None if there are none
+    or two differ by something symbolic."""
+    values = list(values)
+    if not values or not all(sympy.expand(v - values[0]).is_Integer for v in values[1:]):
+        return None
+    return values[0] + pick(sympy.expand(v - values[0]) for v in values)
+
+
+def causal_window(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype):
+    """(offset, window) of a causal or sliding-window causal mask node: it keeps key j for
+    query i iff i + offset - window < j <= i + offset (window 0: no lower bound), as Hugging
+    Face's sliding window (kv > q - W and kv <= q) does. The offset is an int or SymInt; the
+    window an int, or the sympy expression of a width that is not a constant (the caller says
+    why it cannot use it). None if the mask is not exactly of that form."""
+    keep = keep_predicate(node, interp, kind=kind, score_dtype=score_dtype)
+    if keep is None or keep in (sympy.true, sympy.false):
+        return None
+    atoms = sympy.logic.boolalg.to_nnf(keep)
+    atoms = atoms.args if isinstance(atoms, sympy.And) else (atoms,)
+    bounds: dict[str, set] = {"upper": set(), "lower": set()}
+    for a in atoms:
+        b = _key_minus_query_bound(a)
+        if b is None:
+            return None
+        bounds[b[0]].add(b[1])
+    # several bounds of a kind: the tightest, where they differ by constants
+    upper, lower = _extreme(bounds["upper"], min), _extreme(bounds["lower"], max)
+    if upper is None:
+        return None
+    if lower is None:
+        return (interp.symint(upper), 0) if not bounds["lower"] else None
+    window = sympy.expand(upper - lower + 1)
+    if window.is_Integer:
+        return (interp.symint(upper), int(window)) if window >= 1 else None  # < 1: keeps nothing
+    return interp.symint(upper), window
 
 
 def keeps_everything(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> bool:

@@ -29,6 +29,7 @@ from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
+from .fuse_attention import softcap_window
 from .matching import (
     CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
 )
@@ -51,7 +52,7 @@ class SparseMLA(Pass):
         for node in list(graph.nodes):
             if node.target is not torch.ops.metainfer.attention.default:
                 continue
-            q, k, v, mask, scale, causal, offset, zero_empty = node.args
+            q, k, v, mask, scale, causal, offset, zero_empty = node.args[:8]
             if mask is None:
                 continue
             try:
@@ -60,6 +61,10 @@ class SparseMLA(Pass):
                 res.near_misses.append(f"{location(node)}: sparse attention not used: {e}")
                 continue
             if found is None:
+                continue
+            if softcap_window(node) != (0.0, 0):
+                res.near_misses.append(f"{location(node)}: sparse attention not used: the attention is soft-capped "
+                                       "or windowed, which metainfer.sparse_attention does not compute")
                 continue
             sel, base, fill = found
             idx, topk = sel.idx, sel.k

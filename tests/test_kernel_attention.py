@@ -30,8 +30,17 @@ def problems(draw, max_seq=40):
     offset = draw(st.integers(0, 8)) if causal else 0
     mask_kind = draw(st.sampled_from(["none", "additive", "bool", "additive-heads"]))
     zero_empty = draw(st.booleans())
+    # soft-capping (2.0 caps random scores hard) and a sliding window (causal only) half the time
+    softcap = draw(st.sampled_from([0.0, 0.0, 2.0, 30.0]))
+    window = draw(st.integers(1, 20)) if causal and draw(st.booleans()) else 0
     return dict(dtype=dtype, B=B, Hkv=Hkv, group=group, Sq=Sq, Sk=Sk, D=D, Dv=Dv, causal=causal,
-                offset=offset, mask_kind=mask_kind, zero_empty=zero_empty)
+                offset=offset, mask_kind=mask_kind, zero_empty=zero_empty, softcap=softcap, window=window)
+
+
+def op_args(p, q, k, v, mask, scale):
+    """The op's arguments in order (softcap and window last, as optional)."""
+    return (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"], p.get("softcap", 0.0),
+            p.get("window", 0))
 
 
 def make(p, device="cpu", noncontig=False):
@@ -63,7 +72,7 @@ def check(out, ref, dtype):
 @given(p=problems())
 def test_triton_kernel_matches_reference(p, interpret):
     q, k, v, mask, scale = make(p, noncontig=p["Sq"] % 2 == 0)
-    args = (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"])
+    args = op_args(p, q, k, v, mask, scale)
     out = A.launch(*args, config=config_for("attention", q.device, head_dim=max(p["D"], p["Dv"]), dtype=q.dtype))
     check(out, A.reference(*args), p["dtype"])
     assert out.is_contiguous()
@@ -73,7 +82,7 @@ def test_triton_kernel_matches_reference(p, interpret):
 @given(p=problems(max_seq=70))
 def test_cpu_path_matches_reference(p):
     q, k, v, mask, scale = make(p, noncontig=p["Sk"] % 2 == 0)
-    args = (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"])
+    args = op_args(p, q, k, v, mask, scale)
     with mock.patch.object(A, "_CPU_CHUNK_BYTES", 4096):  # several chunks even at small sizes
         check(A.cpu_forward(*args), A.reference(*args), p["dtype"])
 
@@ -99,6 +108,76 @@ def test_empty_rows_nan_or_zero(interpret):
         zero_out = fn(q, k, v, mask, 0.25, False, 0, True)
         assert torch.isnan(nan_out[0, 0, 1]).all() and not torch.isnan(nan_out[0, 0, [0, 2]]).any()
         assert (zero_out[0, 0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("softcap,window", [(5.0, 0), (0.0, 6), (5.0, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_and_window_with_gqa(softcap, window, dtype, interpret):
+    """4 query heads per kv head, sizes off the 16-row block, a bottom-right offset: kernel and
+    CPU path against the reference."""
+    p = dict(dtype=dtype, B=2, Hkv=2, group=4, Sq=23, Sk=41, D=40, Dv=24, causal=True, offset=18,
+             mask_kind="none", zero_empty=False, softcap=softcap, window=window)
+    args = op_args(p, *make(p))
+    cfg = config_for("attention", args[0].device, head_dim=40, dtype=dtype)
+    check(A.launch(*args, config=cfg), A.reference(*args), dtype)
+    with mock.patch.object(A, "_CPU_CHUNK_BYTES", 4096):
+        check(A.cpu_forward(*args), A.reference(*args), dtype)
+
+
+@pytest.mark.parametrize("Sq,Sk,offset,window", [(16, 16, 0, 4), (9, 30, 21, 5), (1, 50, 49, 16), (12, 12, 0, 1)])
+def test_window_is_hugging_face_sliding_window(Sq, Sk, offset, window, interpret):
+    """window W keeps what transformers' sliding-window causal mask keeps (kv > q - W and
+    kv <= q, the query at position offset + i): the op without a mask against the reference
+    given that mask, built by transformers itself."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    keep_fn = sliding_window_causal_mask_function(window)
+    i = torch.arange(Sq)[:, None] + offset
+    j = torch.arange(Sk)[None, :]
+    hf_keep = keep_fn(0, 0, i, j).expand(Sq, Sk)
+    q, k, v = torch.randn(1, 2, Sq, 16), torch.randn(1, 1, Sk, 16), torch.randn(1, 1, Sk, 16)
+    want = A.reference(q, k, v, hf_keep, 0.25)
+    cfg = config_for("attention", q.device)
+    check(A.launch(q, k, v, None, 0.25, True, offset, False, 0.0, window, config=cfg), want, torch.float32)
+    with mock.patch.object(A, "_CPU_CHUNK_BYTES", 512):
+        check(A.cpu_forward(q, k, v, None, 0.25, True, offset, False, 0.0, window), want, torch.float32)
+
+
+def test_softcap_is_gemma2_soft_capping():
+    """softcap c: softmax(c * tanh(q k^T * scale / c)) v, written out here as Gemma 2 does it."""
+    q, k, v = torch.randn(1, 2, 10, 16) * 3, torch.randn(1, 2, 10, 16) * 3, torch.randn(1, 2, 10, 16)
+    s = q @ k.transpose(-1, -2) * 0.25 / 4.0
+    want = torch.softmax(torch.tanh(s) * 4.0, dim=-1) @ v
+    check(A.reference(q, k, v, None, 0.25, softcap=4.0), want, torch.float32)
+    check(A.cpu_forward(q, k, v, None, 0.25, False, 0, False, 4.0), want, torch.float32)
+
+
+def test_window_skips_key_blocks_before_it(interpret):
+    """Keys in 16-key blocks wholly before every query's window are never read: NaN there
+    leaves the output finite (a kernel that loaded them would multiply NaN values by p = 0)."""
+    Sq, Sk, offset, window = 3, 70, 67, 9  # the rows see keys 59..69; blocks 0..47 are skipped
+    q, k, v = torch.randn(1, 2, Sq, 16), torch.randn(1, 1, Sk, 16), torch.randn(1, 1, Sk, 16)
+    want = A.reference(q, k, v, None, 0.25, True, offset, False, 2.0, window)
+    kp, vp = k.clone(), v.clone()
+    kp[:, :, :48], vp[:, :, :48] = float("nan"), float("nan")
+    cfg = config_for("attention", q.device)
+    for splits in (1, 3):  # one program, and splits (the first one wholly before the window)
+        out = A.launch(q, kp, vp, None, 0.25, True, offset, False, 2.0, window, config={**cfg, "SPLITS": splits})
+        check(out, want, torch.float32)
+    vp[:, :, 48] = float("nan")  # inside the block the window starts in: read, so NaN shows
+    assert torch.isnan(A.launch(q, kp, vp, None, 0.25, True, offset, False, 2.0, window, config=cfg)).all()
+
+
+@pytest.mark.parametrize("softcap,window,causal,msg", [
+    (-1.0, 0, True, "softcap"), (float("inf"), 0, True, "softcap"), (True, 0, True, "softcap"),
+    (0.0, -2, True, "window"), (0.0, 2.5, True, "window"), (0.0, 4, False, "needs causal"),
+])
+def test_launcher_rejects_bad_softcap_or_window(softcap, window, causal, msg):
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(KernelInputError, match=msg):
+        A.launch(q, k, v, None, 0.25, causal, 0, False, softcap, window, config=config_for("attention", q.device))
+    with pytest.raises(KernelInputError, match=msg):
+        A.cpu_forward(q, k, v, None, 0.25, causal, 0, False, softcap, window)
 
 
 def test_sdpa_path_used_where_it_applies(monkeypatch):
@@ -156,10 +235,10 @@ def decode_problems(draw):
 @given(p=decode_problems())
 def test_key_splits_match_reference(p, interpret):
     """A few query rows with the keys split over 2-5 programs and merged: causal offsets (negative
-    ones leave rows with no key), masks, both empty-row conventions, key counts that are not
-    multiples of the block or of the split."""
+    ones leave rows with no key), masks, windows (splits wholly before one are skipped), both
+    empty-row conventions, key counts that are not multiples of the block or of the split."""
     q, k, v, mask, scale = make(p, noncontig=p["Sq"] % 2 == 0)
-    args = (q, k, v, mask, scale, p["causal"], p["offset"], p["zero_empty"])
+    args = op_args(p, q, k, v, mask, scale)
     cfg = {**config_for("attention", q.device, head_dim=max(p["D"], p["Dv"]), dtype=q.dtype), "SPLITS": p["splits"]}
     with spy(A, "combine_splits") as combined:
         check(A.launch(*args, config=cfg), A.reference(*args), p["dtype"])

@@ -80,3 +80,86 @@ def test_recognises_the_common_forms():
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
         kind = "additive" if p["form"] == "additive" else "keep"
         assert ma.causal_offset(out, ma.MaskInterpreter(), kind=kind, score_dtype=torch.float32) == want
+
+
+def _band(sq, sk, offset, window):
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = j <= i + offset
+    return keep & (j > i + offset - window) if window else keep
+
+
+def _causal_window(f):
+    gm, _ = capture_graph(f, torch.zeros(1))
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    kind = "additive" if out.meta["val"].dtype.is_floating_point else "keep"
+    return ma.causal_window(out, ma.MaskInterpreter(), kind=kind, score_dtype=torch.float32)
+
+
+@settings(max_examples=int(os.environ.get("MASK_EXAMPLES", 40)), deadline=None)
+@given(p=mask_programs())
+def test_window_proof_is_sound_on_any_program(p):
+    """Whenever the analysis says "causal with offset o and window w", the mask is that band."""
+    f = build(p)
+    expected, _ = f(torch.zeros(1))
+    found = _causal_window(f)
+    if found is None:
+        return
+    keep = expected == 0 if p["form"] == "additive" else expected
+    assert torch.equal(keep, _band(p["sq"], p["sk"], *found)), (p, found)
+
+
+_FLIP = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le"}
+
+
+@st.composite
+def band_programs(draw):
+    """Near-bands: j <= i + u and j >= i + u - w + 1 (each written with < or <=, > or >=), now and
+    then with a slope of 2 on one side, a third bound, a width below 1, or an or for an and; half
+    of them written as the drop mask (the flipped bounds or-ed, then negated)."""
+    u, w = draw(st.integers(-2, 5)), draw(st.sampled_from([-1, 0] + list(range(1, 8)) * 3))
+    lo = u - w + 1
+
+    def slope():
+        return draw(st.sampled_from([(1, 1)] * 8 + [(2, 1), (1, 2)]))
+
+    atoms = [(*slope(), *draw(st.sampled_from([(-u, "le"), (-u - 1, "lt")]))),
+             (*slope(), *draw(st.sampled_from([(-lo, "ge"), (-lo + 1, "gt")])))]
+    if draw(st.integers(0, 3)) == 0:
+        atoms.append((*slope(), draw(st.integers(-6, 6)), draw(st.sampled_from(OPS))))
+    combine = draw(st.sampled_from(["and"] * 7 + ["or"]))
+    negate = draw(st.booleans())
+    if negate:  # De Morgan: not (flipped or flipped) is the same band
+        atoms = [(a, b, c, _FLIP[op]) for a, b, c, op in atoms]
+        combine = {"and": "or", "or": "and"}[combine]
+    return dict(atoms=draw(st.permutations(atoms)), combine=combine, negate=negate, q_start=draw(st.integers(0, 4)),
+                form=draw(st.sampled_from(["bool", "additive"])), diag=0, sq=draw(st.integers(1, 8)),
+                sk=draw(st.sampled_from([1, 2] + list(range(6, 14)) * 2)), broadcast_q=False)
+
+
+@settings(max_examples=int(os.environ.get("MASK_EXAMPLES", 60)), deadline=None)
+@given(p=band_programs())
+def test_window_proof_is_sound_on_bands(p):
+    f = build(p)
+    expected, _ = f(torch.zeros(1))
+    found = _causal_window(f)
+    if found is None:
+        return
+    keep = expected == 0 if p["form"] == "additive" else expected
+    assert torch.equal(keep, _band(p["sq"], p["sk"], *found)), (p, found)
+
+
+def test_recognises_hugging_face_sliding_window():
+    """transformers' sliding_window_causal_mask_function as its eager mask writes it (kv > q - W
+    and kv <= q, queries at cache positions q_start..): offset q_start, window W; a window wider
+    than every distance folds away to plain causal; a lower bound alone is no causal mask."""
+    def hf(q_start, sq, sk, window, fill=torch.finfo(torch.float32).min):
+        def f(x):
+            q = torch.arange(q_start, q_start + sq)[:, None]
+            kv = torch.arange(sk)[None, :]
+            return torch.where((kv > q - window) & (kv <= q), 0.0, fill), x + 1
+        return f
+
+    assert _causal_window(hf(0, 16, 16, 4)) == (0, 4)
+    assert _causal_window(hf(7, 3, 10, 5, float("-inf"))) == (7, 5)
+    assert _causal_window(hf(0, 8, 8, 40)) == (0, 0)
+    assert _causal_window(lambda x: (torch.arange(6)[None, :] > torch.arange(6)[:, None] - 3, x + 1)) is None

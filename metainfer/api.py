@@ -7,6 +7,7 @@ import functools
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -54,9 +55,15 @@ class OptimizedModel:
         with self._installed(lambda kw: "forward"):
             return self.model(*args, **kwargs)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, draft_length: int | None = None, **kwargs):
         """The model's generate(), its prefill and decode steps running the optimized graphs
-        (the report labels each graph with its phase)."""
+        (the report labels each graph with its phase). With Hugging Face's assisted generation
+        (`assistant_model=`, an OptimizedModel or a model, which is then optimized for the
+        same target; or `prompt_lookup_num_tokens=`) the verify and draft steps run metainfer's
+        graphs too, and the draft length is metainfer's (metainfer.speculative), re-chosen as
+        acceptance is measured, unless `draft_length=` fixes it."""
+        from metainfer import speculative
+
         if not callable(getattr(type(self.model), "generate", None)):
             raise AttributeError(f"{type(self.model).__name__} has no generate() method")
         check_devices(self.target, args, kwargs, what="input")
@@ -66,8 +73,17 @@ class OptimizedModel:
         if getattr(self.model, "generation_config", None) is not None:
             # Hugging Face would wrap the forward in its own torch.compile on GPUs
             kwargs.setdefault("disable_compile", True)
-        steps = itertools.count()
-        with self._installed(lambda kw: "prefill" if next(steps) == 0 else "decode"):
+        spec = speculative.prepare(self, kwargs, draft_length)
+        if spec is None:
+            steps = itertools.count()
+            with self._installed(lambda kw: "prefill" if next(steps) == 0 else "decode"):
+                return self.model.generate(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(spec.installed())
+            stack.enter_context(self._installed(spec.phase, observe=spec.observe, symbolic=spec.symbolic))
+            if spec.drafter is not None:
+                stack.enter_context(spec.drafter._installed(lambda kw: "draft", observe=spec.observe_draft,
+                                                            symbolic=lambda kw: True))
             return self.model.generate(*args, **kwargs)
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, **kwargs):
@@ -86,25 +102,33 @@ class OptimizedModel:
         return serving.Manager(self, generation_config, continuous_batching_config, workload_hints)
 
     @contextlib.contextmanager
-    def _installed(self, phase, step=None):
+    def _installed(self, phase, step=None, observe=None, symbolic=None):
         """Route the model's forward through the compiled graphs: the model's own __call__
-        (hooks included) and generate() loop stay as they are. `phase(kwargs)` labels each call
-        (a string, or a function giving it, called only if the call compiles a graph); `step`,
-        if given, is a serving engine's: step(kwargs) is a context for the call, and the call's
-        token ids are packed requests (positions are checked per request, not here)."""
+        (hooks included) and generate() loop stay as they are. `phase(kwargs)` labels each call;
+        `step`, if given, is a serving engine's: step(kwargs) is a context for the call, and the
+        call's token ids are packed requests (positions are checked per request, not here).
+        `symbolic(kwargs)`: whether the call takes the graphs compiled with symbolic sizes from
+        the first call on (as a serving step does); `observe(phase, tokens, seconds, compiled)`
+        hears of every call."""
 
         @functools.wraps(self._forward)
         def forward(*args, **kwargs):
             self._refuse_training()
             args, kwargs, finish = self._inputs.check(args, kwargs, positions=step is None)
-            self._backend.phase = phase(kwargs)
+            name = self._backend.phase = phase(kwargs)
             self._backend.call_starts()
+            packed = step is not None or (symbolic is not None and symbolic(kwargs))
+            graphs, start = len(self.report.sections), time.perf_counter()
             with (torch.no_grad(), capture.capturable(self.model) as notes,
                   step(kwargs) if step is not None else contextlib.nullcontext()):
                 try:
-                    out = (self._compiled if step is None else self._compiled_packed)(*args, **kwargs)
+                    out = (self._compiled_packed if packed else self._compiled)(*args, **kwargs)
                 except torch._dynamo.exc.TorchDynamoException as e:
                     raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
+            if observe is not None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                observe(name, ids.shape[-1] if isinstance(ids, torch.Tensor) else 1, time.perf_counter() - start,
+                        len(self.report.sections) != graphs)
             finish()
             for note in notes:
                 if note not in self.report.notes:

@@ -470,20 +470,28 @@ def expected_accepted(acceptance: float, draft: int) -> float:
     return (1 - acceptance ** (draft + 1)) / (1 - acceptance)
 
 
-def _best_draft(m, p, target, batch, seq, acceptance: float) -> tuple[int, float, float]:
-    """(draft length, accepted tokens per step, step seconds) maximising accepted tokens per
-    second (0: no draft pays): a verify step over draft + 1 tokens per sequence, plus `draft`
-    steps of a one-layer drafter (an MTP head, as DeepSeek's) on the same plan."""
-    base = step_time(m, p, target, "decode", batch, seq)[0]
-    best = (0, 1.0, base)
-    one_layer = dataclasses.replace(m, layers=1, dense_layers=0 if m.moe else 1)
-    draft_step = step_time(one_layer, Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)[0]
-    for k in range(1, MAX_DRAFT + 1):
-        step = step_time(m, p, target, "decode", batch, seq, tokens_per_seq=k + 1)[0] + k * draft_step
+def best_draft_length(acceptance: float, verify_seconds, draft_seconds, max_draft: int = MAX_DRAFT
+                      ) -> tuple[int, float, float]:
+    """(k, accepted tokens per step, step seconds) maximising accepted tokens per second over
+    k in 0..max_draft (0: no speculation): a step is one verify over k + 1 tokens per sequence,
+    `verify_seconds(k + 1)`, plus drafting k tokens, `draft_seconds(k)` (0 for k = 0)."""
+    best = (0, 1.0, verify_seconds(1))
+    for k in range(1, max_draft + 1):
+        step = verify_seconds(k + 1) + draft_seconds(k)
         acc = expected_accepted(acceptance, k)
         if acc / step > best[1] / best[2]:
             best = (k, acc, step)
     return best
+
+
+def _best_draft(m, p, target, batch, seq, acceptance: float) -> tuple[int, float, float]:
+    """best_draft_length with predicted times: a verify step of the model on plan p, and
+    `draft` steps of a one-layer drafter (an MTP head, as DeepSeek's) on the same plan."""
+    one_layer = dataclasses.replace(m, layers=1, dense_layers=0 if m.moe else 1)
+    draft_step = step_time(one_layer, Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)[0]
+    return best_draft_length(
+        acceptance, lambda n: step_time(m, p, target, "decode", batch, seq, tokens_per_seq=n)[0],
+        lambda k: k * draft_step)
 
 
 def plan(model, target="pcie8", *, phases=PHASES, batch: int | dict | None = None, seq: int | dict | None = None,

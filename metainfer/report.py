@@ -22,6 +22,8 @@ class Report:
         self.pipeline = list(pipeline)
         self.sections: list[GraphSection] = []
         self.notes: list[str] = list(notes or [])
+        # speculative decoding: each change of the draft length, when and why (metainfer.speculative)
+        self.speculation: list[dict[str, Any]] = []
 
     # -- access ------------------------------------------------------------------------
     @property
@@ -64,6 +66,7 @@ class Report:
             "graphs": [s.to_dict() for s in self.sections],
             "graph_breaks": self.graph_breaks,
             "notes": self.notes,
+            "speculation": self.speculation,
             "collective_settings": {k: v for k, (v, _) in self.target.collective_settings().items()},
         }
 
@@ -103,6 +106,8 @@ class Report:
                     out += _wrap(nm, f"  near miss [{r.name}] ", "      ")
         for n in self.notes:
             out += _wrap(n, "note: ", "      ")
+        for d in self.speculation:
+            out += _wrap(_speculation_line(d), "speculation: ", "      ")
         return "\n".join(out)
 
     def __repr__(self) -> str:
@@ -116,6 +121,8 @@ class Report:
             md.append(f"- note: {n}")
         for k, (v, why) in self.target.collective_settings().items():
             md.append(f"- collective setting `{k}={v}`: {why}")
+        for d in self.speculation:
+            md.append(f"- speculation: {_speculation_line(d)}")
         for s in self.sections:
             md += ["", f"## Graph {s.index}", ""]
             if s.break_reasons:
@@ -167,6 +174,11 @@ class Report:
                                             fromfile=f"before {r.name}", tofile=f"after {r.name}", n=2)
                 stem.with_suffix(".diff").write_text("".join(diff))
         return d
+
+
+def _speculation_line(d: dict) -> str:
+    return (f"{d['when']}: draft length {d['draft_length']} ({d['drafter']}, batch {d['batch']}, acceptance "
+            f"{d['acceptance']:.2f} from {d['observed']}): {d['why']}")
 
 
 def _trace_name(graph_index: int) -> str:

@@ -1,0 +1,338 @@
+"""Speculative decoding through Hugging Face's assisted generation (the engine: candidates from
+a draft model or from prompt lookup, one verify forward of the target over them), with
+metainfer's graphs for the verify and draft steps and the draft length chosen by metainfer.
+
+    opt.generate(ids, assistant_model=draft, max_new_tokens=64)           # draft length: auto
+    opt.generate(ids, prompt_lookup_num_tokens=8, max_new_tokens=64)      # auto, at most 8
+    opt.generate(ids, assistant_model=draft, draft_length=3, ...)         # fixed at 3
+
+The draft length k maximises expected accepted tokens per second (planner.best_draft_length):
+    tokens per step = (1 - a^(k+1)) / (1 - a)        a: acceptance per drafted token
+    step seconds    = verify(k + 1) + draft(k) + rest
+- a is measured: a Beta(1, 1) prior updated after every verify with the tokens accepted and
+  whether a drafted token was rejected; kept per drafter and batch size across calls.
+- verify(n) is measured: a least-squares line through the target's measured forwards by new
+  tokens. Until two lengths are measured the first steps probe (a draft model: k = 1, 2; prompt
+  lookup: its maximum and half of it); before any
+  measurement the cost model's prediction (planner.step_time) stands in. draft(k) is k times
+  the measured drafting time per token (prompt lookup: none; its n-gram search is part of the
+  rest), a draft model's predicted from its shape until measured; the rest of a step (the
+  engine's bookkeeping) is measured. Steps that compiled a graph are not measured.
+The length is re-chosen after every verify; k = 0 switches speculation off for the rest of
+the call (plain decode steps). Every change, with its reason, goes into the report's
+`speculation` list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_DRAFT = 8
+# draft lengths tried first, in turn, so that two verify lengths get measured: a draft model's
+# tokens cost time, so short; prompt lookup's are free, so long and half that
+PROBE = {"assistant": lambda cap: (1, 2), "prompt lookup": lambda cap: (cap, max(1, cap // 2))}
+PROBE_STEPS = 8  # steps probing may take (steps that compile measure nothing) before deciding anyway
+
+
+@dataclass
+class Acceptance:
+    """Drafted tokens accepted and drafts rejected: a Beta posterior of the per-token rate."""
+
+    accepted: int = 0
+    rejected: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+    def observe(self, drafted: int, matched: int) -> None:
+        self.accepted += matched
+        self.rejected += int(matched < drafted)
+
+
+@dataclass
+class _Mean:
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, n: int = 1) -> None:
+        self.total, self.count = self.total + x, self.count + n
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+@dataclass
+class Measured:
+    """Seconds measured over the steps (steps that compiled a graph left out): the target's
+    forwards by new tokens, drafting per drafted token, and the rest of each step."""
+
+    verify: dict = field(default_factory=dict)  # new tokens -> _Mean seconds of the target's forward
+    draft_per_token: _Mean = field(default_factory=_Mean)
+    rest: _Mean = field(default_factory=_Mean)
+
+    def verify_seconds(self, n: int) -> float | None:
+        """The target's forward over n new tokens: a least-squares line through the measured
+        lengths (flat through one), None before any."""
+        pts = [(k, m.value, m.count) for k, m in self.verify.items() if m.count]
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1]
+        w = sum(c for *_, c in pts)
+        mx, my = sum(k * c for k, _, c in pts) / w, sum(t * c for _, t, c in pts) / w
+        slope = sum(c * (k - mx) * (t - my) for k, t, c in pts) / sum(c * (k - mx) ** 2 for k, _, c in pts)
+        return max(my + max(slope, 0.0) * (n - mx), 0.0)
+
+
+def _shape(model):
+    from metainfer import shapes
+
+    try:
+        return shapes.resolve(model.config)
+    except Exception:
+        return None
+
+
+class Speculation:
+    """One assisted generate() of an OptimizedModel: labels its forwards (prefill, verify,
+    decode, draft), measures them, and sets the candidate generator's draft length."""
+
+    def __init__(self, opt, kind: str, fixed: int | None, max_draft: int, drafter=None):
+        self.opt, self.kind, self.fixed, self.max_draft = opt, kind, fixed, max_draft
+        self.drafter = drafter  # the draft OptimizedModel (assistant kind), or None
+        key = (kind, id(drafter.model) if drafter is not None else None, 1)  # assisted generation: batch 1
+        stats = opt.__dict__.setdefault("_speculation_stats", {})
+        self.acceptance, self.measured = stats.setdefault(key, (Acceptance(), Measured()))
+        self.generator = None
+        self.k = None
+        self.steps = 0
+        self.in_draft = False
+        self.calls = 0
+        self._step_start = None
+        self._step_forwards = 0.0  # seconds of forwards inside the current step
+        self._draft_seconds = 0.0
+        self._verify = None  # (tokens, seconds) of this step's verify forward
+        self._drafted = 0  # tokens the current step drafted
+        self._compiled = False  # a graph was compiled during the current step: its times are not kept
+        self._target_shape = _shape(opt.model)
+        self._drafter_shape = _shape(drafter.model) if drafter is not None else None
+
+    # -- labels for the target's forwards ------------------------------------------------
+    def phase(self, kwargs) -> str:
+        if self.in_draft:
+            return "draft"
+        self.calls += 1
+        if self.calls == 1:
+            return "prefill"
+        return "verify" if _tokens(kwargs) > 1 else "decode"
+
+    def symbolic(self, kwargs) -> bool:
+        """Verify steps (and drafts) compile once with symbolic lengths: k + 1 changes."""
+        return self.in_draft or (self.calls > 1 and _tokens(kwargs) > 1)
+
+    def observe(self, phase: str, tokens: int, seconds: float, compiled: bool) -> None:
+        """A forward of the target (drafting forwards are inside the drafting time)."""
+        self._compiled |= compiled
+        if phase != "draft":
+            self._step_forwards += seconds
+        if phase in ("verify", "decode"):
+            self._verify = (tokens, seconds)
+
+    def observe_draft(self, phase: str, tokens: int, seconds: float, compiled: bool) -> None:
+        """A forward of a separate draft model."""
+        self._compiled |= compiled
+
+    # -- the candidate generator -----------------------------------------------------------
+    @contextlib.contextmanager
+    def installed(self):
+        """Hand Hugging Face's assisted decoding a candidate generator whose draft length is
+        this object's, and watch it. Wraps the model's `_get_candidate_generator` for the
+        call (the instance attribute, as the forward is installed)."""
+        model = self.opt.model
+        original = getattr(type(model), "_get_candidate_generator", None)
+        if original is None:
+            raise RuntimeError(f"{type(model).__name__} has no _get_candidate_generator (transformers' assisted "
+                               "generation): metainfer cannot set its draft length")
+
+        def get_candidate_generator(*args, **kwargs):
+            gen = original(model, *args, **kwargs)
+            self._attach(gen)
+            return gen
+
+        model.__dict__["_get_candidate_generator"] = get_candidate_generator
+        try:
+            yield self
+        finally:
+            model.__dict__.pop("_get_candidate_generator", None)
+
+    def _attach(self, gen) -> None:
+        if not hasattr(gen, self._length_attr(gen)):
+            raise RuntimeError(f"{type(gen).__name__}: metainfer sets the draft length of assistant and prompt-lookup "
+                               "candidate generators only")
+        self.generator = gen
+        for cfg in (getattr(gen, "generation_config", None), getattr(gen, "assistant_generation_config", None)):
+            if cfg is not None:  # the draft length is exactly this object's: no stopping on low confidence
+                cfg.assistant_confidence_threshold = 0.0
+        get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
+
+        def timed_get_candidates(input_ids, *args, **kwargs):
+            self._step_start = time.perf_counter()
+            self._step_forwards, self._verify, self._compiled = 0.0, None, False
+            self.in_draft = True
+            try:
+                out = get_candidates(input_ids, *args, **kwargs)
+            finally:
+                self.in_draft = False
+            self._draft_seconds = time.perf_counter() - self._step_start
+            self._drafted = out[0].shape[-1] - input_ids.shape[-1]
+            return out
+
+        def observed_update(input_ids, scores, num_matches):
+            update(input_ids, scores, num_matches)
+            self._after_verify(int(num_matches))
+
+        gen.get_candidates, gen.update_candidate_strategy = timed_get_candidates, observed_update
+        self._set(self._choose("before the first step"))
+
+    @staticmethod
+    def _length_attr(gen) -> str:
+        return "num_output_tokens" if hasattr(gen, "num_output_tokens") else "num_assistant_tokens"
+
+    def _set(self, k: int) -> None:
+        setattr(self.generator, self._length_attr(self.generator), k)
+
+    # -- measuring and choosing --------------------------------------------------------------
+    def _after_verify(self, matched: int) -> None:
+        self.steps += 1
+        drafted = self._drafted
+        if drafted:
+            self.acceptance.observe(drafted, min(matched, drafted))
+        wall = time.perf_counter() - self._step_start
+        m = self.measured
+        if not self._compiled:  # a step that compiled a graph says nothing about the next ones
+            if self._verify is not None:
+                m.verify.setdefault(self._verify[0], _Mean()).add(self._verify[1])
+            if self.kind == "assistant":
+                if drafted:
+                    m.draft_per_token.add(self._draft_seconds, drafted)
+                m.rest.add(max(0.0, wall - self._draft_seconds - self._step_forwards))
+            else:  # the n-gram search counts as the rest: per step, whatever the length
+                m.rest.add(max(0.0, wall - self._step_forwards))
+        if self.fixed is None and self.k != 0:
+            self._set(self._choose(f"after step {self.steps}"))
+
+    def _predicted_verify(self, tokens: int) -> float | None:
+        if self._target_shape is None:
+            return None
+        from metainfer import planner
+
+        return planner.step_time(self._target_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
+                                 self._context(), tokens_per_seq=tokens)[0]
+
+    def _context(self) -> int:
+        return 1024  # the planner's decode context; its effect on a step is small at batch 1
+
+    def _verify_seconds(self, n: int) -> float:
+        measured = self.measured.verify_seconds(n)
+        if measured is not None:
+            return measured
+        predicted = self._predicted_verify(n)
+        return predicted if predicted is not None else 1.0
+
+    def _draft_seconds_per_token(self) -> float:
+        measured = self.measured.draft_per_token.value
+        if measured is not None or self.kind != "assistant":
+            return measured or 0.0
+        if self._drafter_shape is None:
+            return self._verify_seconds(1)  # no shape: as costly as the target's step
+        from metainfer import planner
+
+        return planner.step_time(self._drafter_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
+                                 self._context())[0]
+
+    def _choose(self, when: str) -> int:
+        from metainfer import planner
+
+        a = self.acceptance
+        rest = self.measured.rest.value or 0.0
+        per_token = self._draft_seconds_per_token()
+        lengths = sorted(n for n, m in self.measured.verify.items() if m.count)
+        if self.fixed is not None:
+            k, why = self.fixed, "fixed by the caller"
+        elif len(lengths) < 2 and self.steps < PROBE_STEPS:
+            # the cost model's verify time at these sizes is not checked against this machine yet:
+            # measure two verify lengths (and the acceptance) before deciding
+            probe = PROBE[self.kind](self.max_draft)
+            k = min(self.max_draft, probe[self.steps % len(probe)])
+            why = f"probing: verify lengths measured so far {lengths or 'none'}"
+        else:
+            k, acc, step = planner.best_draft_length(a.rate, lambda n: self._verify_seconds(n) + rest,
+                                                     lambda k: k * per_token, self.max_draft)
+            base = self._verify_seconds(1) + rest
+            src = (f"measured at {lengths} new tokens" if lengths else "predicted by the cost model, not measured")
+            why = (f"{acc:.2f} tokens per {step * 1e3:.2f} ms step vs 1 per {base * 1e3:.2f} ms without a draft "
+                   f"(verify {src}; drafting {per_token * 1e3:.2f} ms/token "
+                   f"{'measured' if self.measured.draft_per_token.count or self.kind != 'assistant' else 'predicted'}"
+                   f"; the rest of a step {rest * 1e3:.2f} ms measured)")
+            if k == 0:
+                why = "speculation off: " + why
+        if k != self.k:
+            self.opt.report.speculation.append({
+                "when": when, "drafter": self.kind, "batch": 1, "draft_length": k,
+                "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
+                "why": why})
+            self.k = k
+        return k
+
+
+def _tokens(kwargs) -> int:
+    ids = kwargs.get("input_ids")
+    return ids.shape[-1] if isinstance(ids, torch.Tensor) else 1
+
+
+def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
+    """The Speculation for a generate() call whose kwargs ask for assisted generation (an
+    `assistant_model`, or `prompt_lookup_num_tokens`), None otherwise. An assistant that is a
+    plain model is optimized for the same target first (kept for later calls); the kwargs are
+    edited for Hugging Face (the assistant's model, not its wrapper)."""
+    from metainfer.api import OptimizedModel, optimize
+
+    assistant, lookup = kwargs.get("assistant_model"), kwargs.get("prompt_lookup_num_tokens")
+    if draft_length is not None and (isinstance(draft_length, bool) or not isinstance(draft_length, int)
+                                     or draft_length < 0):
+        raise ValueError(f"draft_length must be a non-negative integer (or None: metainfer chooses), "
+                         f"got {draft_length!r}")
+    if assistant is None and lookup is None:
+        if draft_length is not None:
+            raise ValueError("draft_length= applies to speculative decoding: pass assistant_model= or "
+                             "prompt_lookup_num_tokens= too")
+        return None
+    if assistant is not None and lookup is not None:
+        raise ValueError("pass either assistant_model= or prompt_lookup_num_tokens=, not both")
+    if kwargs.get("do_sample"):
+        raise ValueError("metainfer's speculative decoding is greedy (do_sample=False): sampled assisted "
+                         "generation is not supported yet")
+    drafter = None
+    if assistant is not None:
+        if assistant is opt or assistant is opt.model:
+            drafter = opt
+        elif isinstance(assistant, OptimizedModel):
+            drafter = assistant
+        else:
+            drafters = opt.__dict__.setdefault("_drafters", {})
+            drafter = drafters.get(id(assistant))
+            if drafter is None or drafter.model is not assistant:
+                drafter = drafters[id(assistant)] = optimize(assistant, opt.target)
+        kwargs["assistant_model"] = drafter.model
+        kind, cap = "assistant", MAX_DRAFT
+    else:
+        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be a positive integer, got {lookup!r}")
+        kind, cap = "prompt lookup", lookup
+    return Speculation(opt, kind, draft_length, cap, drafter=None if drafter is opt else drafter)

@@ -24,7 +24,7 @@ DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                 n_shared_experts=1, first_k_dense_replace=1)
 ARCHS = {
     "Llama": {}, "Qwen2": {}, "Qwen3": {}, "Mistral": {}, "Gemma": dict(hidden_activation="gelu_pytorch_tanh"),
-    "Phi3": {}, "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Gemma2": dict(sliding_window=4), "Phi3": {}, "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "DeepseekV3": DEEPSEEK,
 }
 COMPUTE = ("fuse_attention", "mla_prefill", "fuse_moe", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu", "fuse_rope")
@@ -51,7 +51,8 @@ def matrix_run(rank, world, arch, tp, ep, dtype=torch.float32, lowering="aot_eag
     # and what the planner counts for the same plan
     kv_bytes = sum(m.weight.shape[0] * m.weight.element_size() for n, m in model.named_modules()
                    if n.endswith((".k_proj", ".v_proj")) and not isinstance(m.weight, DTensor))
-    planned = planner.kv_per_token(shapes.resolve(cfg), planner.Plan(tp, 1, 1, 1))
+    shape = shapes.resolve(cfg)  # its activations' bytes are the config's dtype (bf16 unless given)
+    planned = planner.kv_per_token(shape, planner.Plan(tp, 1, 1, 1)) / shape.act_bytes * model.dtype.itemsize
     kv_heads = (kv_heads, kv_bytes, planned)
     scale = 1.0 if dtype == torch.float32 else ref.abs().max().item()  # bf16: relative to the logits' range
     return (out - ref).abs().max().item() / scale, fired, kv_heads, experts, opt.report.notes
@@ -61,7 +62,7 @@ MOE = ("Mixtral", "Qwen3Moe", "DeepseekV3")
 # the default tier: one row per mechanism (K/V heads replicated with a gradients-only style in the
 # plan; gathered / split-input styles; Hugging Face experts spread; MLA with experts spread);
 # the rest of the matrix is the slow tier (pytest -m slow tests/test_tp_matrix.py)
-DEFAULT = {("Qwen3", 4), ("Phi3", 4), ("Mixtral", 4), ("DeepseekV3", 2)}
+DEFAULT = {("Qwen3", 4), ("Phi3", 4), ("Mixtral", 4), ("DeepseekV3", 2)}  # ~30 s each on 2 cores
 ROWS = [(arch, world, torch.float32, "aot_eager") for arch in ARCHS for world in (2, 4)]
 ROWS += [("Llama", 4, torch.float32, "inductor"), ("Llama", 4, torch.bfloat16, "aot_eager"),
          ("Mixtral", 2, torch.bfloat16, "aot_eager")]
@@ -92,15 +93,16 @@ def test_sharded_equals_unsharded(arch, world, dtype, lowering):
         heads, kv_bytes, planned = kv_heads
         if arch not in ("DeepseekV3", "Phi3") and world == 4:  # MLA has no K/V heads, Phi3's sit in one gathered qkv_proj
             assert heads == [1.0], heads  # 2 KV heads over 4 ranks: one whole head each
-            if dtype == torch.float32:  # the planner reads the dtype from the config
-                assert kv_bytes == planned, (kv_bytes, planned)  # what it counts per rank is what is held
+            assert kv_bytes == planned, (kv_bytes, planned)  # what the planner counts per rank is what is held
 
 
 if __name__ == "__main__":
     import sys
 
+    import test_tp_matrix as me  # the ranks find matrix_run by its module's name, not __main__
+
     for arch, world, dtype, lowering in ROWS:
-        res = multirank.run(matrix_run, world, args=(arch, world, arch in MOE, dtype, lowering), timeout_s=TIMEOUT_S)
+        res = multirank.run(me.matrix_run, world, args=(arch, world, arch in MOE, dtype, lowering), timeout_s=TIMEOUT_S)
         print(f"{arch:10s} {world} ranks tp{world}{' ep' if arch in MOE else ''} {str(dtype)[6:]:8s} {lowering:9s} "
               f"max|diff| {max(r[0] for r in res):.2e}  kv heads/rank, KV B/token/rank local vs planner {res[0][2]}  experts/rank {res[0][3]}  "
               f"fired per rank {[r[1] for r in res]}", flush=True)

@@ -256,6 +256,16 @@ class Speculation:
         return planner.step_time(self._drafter_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
                                  self._context())[0]
 
+    def _hopeless(self, rate: float, rest: float, per_token: float) -> bool:
+        """Whether no draft length pays even with the verify as cheap as one decode step (the
+        best case for speculation), by what is measured so far: probing can stop."""
+        from metainfer import planner
+
+        if not (self.measured.draft_per_token.count or self.kind != "assistant") or not self.steps:
+            return False
+        flat = self._verify_seconds(1) + rest
+        return planner.best_draft_length(rate, lambda n: flat, lambda k: k * per_token, self.max_draft)[0] == 0
+
     def _choose(self, when: str) -> int:
         from metainfer import planner
 
@@ -265,12 +275,15 @@ class Speculation:
         lengths = sorted(n for n, m in self.measured.verify.items() if m.count)
         if self.fixed is not None:
             k, why = self.fixed, "fixed by the caller"
-        elif len(lengths) < 2 and self.steps < PROBE_STEPS:
+        elif len(lengths) < 2 and self.steps < PROBE_STEPS and not self._hopeless(a.rate, rest, per_token):
             # the cost model's verify time at these sizes is not checked against this machine yet:
             # measure two verify lengths (and the acceptance) before deciding
             probe = PROBE[self.kind](self.max_draft)
             k = min(self.max_draft, probe[self.steps % len(probe)])
             why = f"probing: verify lengths measured so far {lengths or 'none'}"
+        elif len(lengths) < 2 and self.steps < PROBE_STEPS:
+            k, why = 0, (f"speculation off: at acceptance {a.rate:.2f} and drafting {per_token * 1e3:.2f} ms/token "
+                         "(measured) no draft pays even if a verify cost no more than a decode step")
         else:
             k, acc, step = planner.best_draft_length(a.rate, lambda n: self._verify_seconds(n) + rest,
                                                      lambda k: k * per_token, self.max_draft)

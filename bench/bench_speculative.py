@@ -23,6 +23,7 @@ import time
 import torch
 
 import metainfer
+from metainfer import speculative
 from metainfer.testing import tiny_hf_model
 
 LENGTHS = (0, 1, 2, 3, 5, 7)
@@ -31,7 +32,7 @@ LENGTHS = (0, 1, 2, 3, 5, 7)
 def run(opt, ids, new, kw, length, repeats, greedy):
     """(median tokens/s, acceptance observed, graphs compiled by the warm-up, same tokens)."""
     def once():
-        opt.__dict__.pop("_speculation_stats", None)  # each run decides from scratch
+        speculative.forget(opt)  # each run decides from scratch
         start = time.perf_counter()
         out = opt.generate(ids, max_new_tokens=new, do_sample=False, draft_length=length, **kw)
         return out, (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
@@ -45,8 +46,8 @@ def run(opt, ids, new, kw, length, repeats, greedy):
         out, rate = once()
         same &= torch.equal(out, greedy)
         rates.append(rate)
-    stats = next(iter(opt.__dict__.get("_speculation_stats", {}).values()), None)
-    acc = stats[0] if stats else None
+    stats = speculative.statistics(opt)
+    acc = stats[0][0] if stats else None
     accepted = f"{acc.accepted}/{acc.accepted + acc.rejected}" if acc else "-"
     return statistics.median(rates), accepted, graphs, same
 

@@ -134,9 +134,7 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on
         raise ValueError("expert_parallel=True spreads experts over a tensor-parallel group, and tensor_parallel=1 "
                          "has none (all-to-all dispatch across data-parallel replicas is not implemented)")
     if ep_on:  # checked before any weight moves
-        bad = sorted(e for e in sharding.expert_counts(model) if e % tp)
-        if bad:
-            raise ValueError(f"{bad[0]} experts do not split over {tp} ranks for expert parallelism")
+        sharding.check_expert_parallel(model, tp)
     if tp > 1:
         sharding.check_shardable(model, tp)  # before the mesh's groups are made
         mesh = (init_device_mesh(t.device.kind, (w,)) if tp == w else

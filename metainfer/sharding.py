@@ -29,10 +29,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 # Hugging Face's tensor-parallel style names (transformers.distributed.tensor_parallel) and what
 # each is at inference. "gradients only": the style adds a collective to the backward, none to
 # the forward, so the module stays whole on every rank.
-_GRADIENTS_ONLY = {"replicated_with_grad_allreduce", "replicate", "mla_kv_a_proj", "local_params", "local"}
+_GRADIENTS_ONLY = {"replicated_with_grad_allreduce", "replicate", "mla_kv_a_proj", "local_params"}
 _REFUSED = {
     "moe_tp_experts": "deprecated by transformers in favour of expert parallelism; metainfer spreads such "
                       "experts with expert_parallel=True",
+    "packed_rowwise": "a packed expert weight split for tensor-parallel experts; metainfer spreads experts with "
+                      "expert_parallel=True",
 }
 _KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv")  # names of the key / value projections
 
@@ -45,7 +47,7 @@ def _torch_style(style: str):
 
     if style in ("colwise", "unit_colwise", "packed_colwise"):
         return ColwiseParallel()
-    if style in ("rowwise", "unit_rowwise", "packed_rowwise"):
+    if style in ("rowwise", "unit_rowwise"):
         return RowwiseParallel()
     if style in ("colwise_gather_output", "colwise_rep"):
         return ColwiseParallel(output_layouts=Replicate())
@@ -62,7 +64,7 @@ def _torch_style(style: str):
     return None
 
 
-STYLES = ("colwise", "unit_colwise", "packed_colwise", "rowwise", "unit_rowwise", "packed_rowwise",
+STYLES = ("colwise", "unit_colwise", "packed_colwise", "rowwise", "unit_rowwise",
           "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
           "embedding_colwise", "sequence_parallel", "all_reduce", *sorted(_GRADIENTS_ONLY))
 
@@ -113,11 +115,14 @@ def _replicated_kv(model, plan: dict[str, str], degree: int) -> dict[str, str]:
     """The K/V projection entries whose heads are replicated at `degree` (more ranks than KV
     heads), after checking they can be; empty where the heads split."""
     h, kv, head_dim = _heads(model)
-    if kv >= degree or h == kv:
+    if kv % degree == 0 or h == kv:  # heads split (MHA: the query heads' check covers it)
         return {}
-    if degree % kv or not head_dim:
+    if kv > degree or degree % kv:
         raise ValueError(f"{type(model).__name__}: {kv} key-value heads neither split over nor replicate onto "
-                         f"tensor-parallel degree {degree} (it must be a multiple of {kv})")
+                         f"tensor-parallel degree {degree} (a divisor or a multiple of {kv})")
+    if not head_dim:
+        raise ValueError(f"{type(model).__name__}: the config gives no head size: cannot replicate its {kv} "
+                         f"key-value heads over {degree} ranks")
     entries = {p: s for p, s in plan.items()
                if p.rsplit(".", 1)[-1] in _KV_PROJECTIONS and s in ("colwise", "unit_colwise")}
     for pattern in entries:
@@ -144,6 +149,15 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
                              f"over tensor-parallel degree {degree}")
         if kv % degree:
             _replicated_kv(model, plan, degree)
+    modules = [n for n, _ in model.named_modules()]
+    for pattern, style in plan.items():
+        owners = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+        if not owners and style not in _GRADIENTS_ONLY:
+            for name, p in model.named_parameters():
+                if fnmatch.fnmatchcase(name, pattern) and not _bare_parameter_ok(name, p, style):
+                    raise ValueError(f"tensor-parallel plan entry {pattern!r} names the parameter {name} "
+                                     f"({p.dim()}-D) with style {style!r}: metainfer splits a bare parameter only "
+                                     "colwise (1-D or 2-D) or rowwise (not a bias)")
     quantised = [n for n, m in model.named_modules() if getattr(m, "block", 0) and any(fnmatch.fnmatchcase(n, p) for p in plan)]
     if quantised:
         raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
@@ -156,22 +170,30 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
     return plan
 
 
+def _bare_parameter_ok(name: str, p: torch.Tensor, style: str) -> bool:
+    return (style == "colwise" and p.dim() in (1, 2)) or (style == "rowwise" and not name.endswith("bias"))
+
+
 def _local_chunk(t: torch.Tensor, dim: int, rank: int, degree: int, what: str) -> torch.nn.Parameter:
     if t.shape[dim] % degree:
         raise ValueError(f"{what}: size {t.shape[dim]} along dim {dim} does not split over {degree} ranks")
     return torch.nn.Parameter(t.detach().chunk(degree, dim)[rank].clone(), requires_grad=False)
 
 
-def _interleave(module: torch.nn.Module, dim: int, degree: int) -> None:
-    """A packed weight ([gate; up] along `dim`) reordered so that rank r's contiguous chunk is
-    [gate_r; up_r]: the module's own split of its local output then finds its halves."""
-    w = module.weight.detach()
-    n = w.shape[dim]
-    if n % (2 * degree):
-        raise ValueError(f"packed weight of {n} along dim {dim} does not split into 2 x {degree} shards")
-    parts = [p.chunk(degree, dim) for p in w.chunk(2, dim)]
-    module.weight = torch.nn.Parameter(torch.cat([q for r in range(degree) for q in (parts[0][r], parts[1][r])], dim),
-                                       requires_grad=False)
+def _interleave(module: torch.nn.Module, degree: int) -> None:
+    """A packed colwise weight and bias ([gate; up] along the output dim) reordered so that rank
+    r's contiguous chunk is [gate_r; up_r]: the module's own split of its local output then
+    finds its halves."""
+    for name, dim in (("weight", 0), ("bias", 0)):
+        t = getattr(module, name, None)
+        if t is None:
+            continue
+        n = t.shape[dim]
+        if n % (2 * degree):
+            raise ValueError(f"packed {name} of {n} along dim {dim} does not split into 2 x {degree} shards")
+        parts = [p.chunk(degree, dim) for p in t.detach().chunk(2, dim)]
+        setattr(module, name, torch.nn.Parameter(
+            torch.cat([q for r in range(degree) for q in (parts[0][r], parts[1][r])], dim), requires_grad=False))
 
 
 def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
@@ -190,15 +212,15 @@ def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
         if not owners:  # a plan entry may name a bare parameter (per-head sinks): this rank's chunk
             for name in [n for n in params if fnmatch.fnmatchcase(n, pattern)]:
                 parent, _, leaf = name.rpartition(".")
-                dim = 0 if "colwise" in style else -1
+                dim = 0 if style == "colwise" else -1
                 setattr(model.get_submodule(parent), leaf, _local_chunk(params[name], dim, rank, degree, name))
             continue
         if pattern in replicated:
             styles[pattern] = ReplicatedHeads(*_heads(model)[1:])
             continue
-        if style.startswith("packed_"):
+        if style == "packed_colwise":
             for _, m in owners:
-                _interleave(m, 0 if style == "packed_colwise" else -1, degree)
+                _interleave(m, degree)
         styles[pattern] = _torch_style(style)
     with warnings.catch_warnings():  # a pattern need not match in every layer (dense vs MoE layers)
         warnings.filterwarnings("ignore", message="Parallelize plan key")
@@ -239,15 +261,34 @@ def hf_expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return out
 
 
+def _expert_weights(model: torch.nn.Module, name: str, experts: torch.nn.Module) -> list[str]:
+    """The parameters (names relative to `experts`) the plan's `grouped_gemm` entries split by
+    expert; any other parameter with a leading dim of E would be read with local ids: refused."""
+    named = [n for pattern, style in ep_plan(model).items() if style == "grouped_gemm"
+             for n, _ in experts.named_parameters() if fnmatch.fnmatchcase(f"{name}.{n}", pattern)]
+    E = experts.num_experts
+    left = [n for n, p in experts.named_parameters() if n not in named and p.dim() >= 1 and p.shape[0] == E]
+    if not named or left:
+        raise ValueError(f"{name}: the expert-parallel plan splits {named or 'none'} of its per-expert parameters"
+                         + (f" but not {left}" if left else "") + ": cannot spread its experts")
+    return named
+
+
 def has_experts(model: torch.nn.Module) -> bool:
     """Whether `model` has MoE layers that expert_parallel() can spread."""
     return (any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
             or bool(hf_expert_modules(model)))
 
 
-def expert_counts(model: torch.nn.Module) -> set[int]:
-    return ({m.n_experts for m in model.modules() if callable(getattr(m, "shard_experts", None))}
-            | {m.num_experts for _, m in hf_expert_modules(model)})
+def check_expert_parallel(model: torch.nn.Module, degree: int) -> None:
+    """Refuse, before any collective, experts that cannot be spread over `degree` ranks."""
+    counts = ({m.n_experts for m in model.modules() if callable(getattr(m, "shard_experts", None))}
+              | {m.num_experts for _, m in hf_expert_modules(model)})
+    bad = sorted(e for e in counts if e % degree)
+    if bad:
+        raise ValueError(f"{bad[0]} experts do not split over {degree} ranks for expert parallelism")
+    for name, m in hf_expert_modules(model):
+        _expert_weights(model, name, m)
 
 
 def expert_parallel(model: torch.nn.Module, group) -> int:
@@ -259,13 +300,14 @@ def expert_parallel(model: torch.nn.Module, group) -> int:
     layers = [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
     for m in layers:
         m.shard_experts(rank, world, group)
-    hf = hf_expert_modules(model)
-    for name, m in hf:
-        _spread_hf_experts(name, m, rank, world, group)
+    hf = [(name, m, _expert_weights(model, name, m)) for name, m in hf_expert_modules(model)]  # checked first
+    for name, m, weights in hf:
+        _spread_hf_experts(name, m, weights, rank, world, group)
     return len(layers) + len(hf)
 
 
-def _spread_hf_experts(name: str, experts: torch.nn.Module, rank: int, world: int, group) -> None:
+def _spread_hf_experts(name: str, experts: torch.nn.Module, weights: list[str], rank: int, world: int,
+                       group) -> None:
     """Keep experts [rank E/world, (rank+1) E/world) of a transformers experts module: its
     stacked (E, ...) parameters sliced, `num_experts` the local count, routing ids shifted
     (others point at the sentinel E/world with weight 0, which transformers' experts skip),
@@ -276,18 +318,23 @@ def _spread_hf_experts(name: str, experts: torch.nn.Module, rank: int, world: in
     if E % world:
         raise ValueError(f"{E} experts do not split over {world} ranks for expert parallelism ({name})")
     per, lo = E // world, rank * (E // world)
-    for pname, p in list(experts.named_parameters(recurse=False)):
-        if p.dim() >= 1 and p.shape[0] == E:
-            setattr(experts, pname, torch.nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=False))
+    for pname in weights:
+        parent, _, leaf = pname.rpartition(".")
+        owner = experts.get_submodule(parent) if parent else experts
+        p = getattr(owner, leaf)
+        setattr(owner, leaf, torch.nn.Parameter(p.detach()[lo:lo + per].clone(), requires_grad=False))
     experts.num_experts = per
     if hasattr(experts, "_is_expert_parallel"):  # transformers' implementations mask the sentinel ids
         experts._is_expert_parallel = True
 
-    def local_routing(module, args):
+    def local_routing(module, args, kwargs):
+        if len(args) < 3:
+            raise TypeError(f"{name}: expert parallelism expects the experts called as (hidden, ids, weights) "
+                            f"positionally, got {len(args)} positional argument(s) and {sorted(kwargs)}")
         hidden, ids, weights = args[:3]
         local = ids - lo
         off = (local < 0) | (local >= per)
-        return (hidden, local.masked_fill(off, per), weights.masked_fill(off, 0.0), *args[3:])
+        return (hidden, local.masked_fill(off, per), weights.masked_fill(off, 0.0), *args[3:]), kwargs
 
-    experts.register_forward_pre_hook(local_routing)
+    experts.register_forward_pre_hook(local_routing, with_kwargs=True)
     experts.register_forward_hook(lambda module, args, out: funcol.all_reduce(out, "sum", group))

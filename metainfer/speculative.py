@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_DRAFT = 8
+_STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # OptimizedModel -> drafter -> stats
+_DRAFTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a plain drafter -> its OptimizedModel
 # draft lengths tried first, in turn, so that two verify lengths get measured: a draft model's
 # tokens cost time, so short; prompt lookup's are free, so long and half that
 PROBE = {"assistant": lambda cap: (1, 2), "prompt lookup": lambda cap: (cap, max(1, cap // 2))}
+CONTEXT = 1024  # tokens in the cache the cost model prices a step at (small effect at batch 1)
 PROBE_STEPS = 8  # steps probing may take (steps that compile measure nothing) before deciding anyway
 
 
@@ -106,9 +110,11 @@ class Speculation:
     def __init__(self, opt, kind: str, fixed: int | None, max_draft: int, drafter=None):
         self.opt, self.kind, self.fixed, self.max_draft = opt, kind, fixed, max_draft
         self.drafter = drafter  # the draft OptimizedModel (assistant kind), or None
-        key = (kind, id(drafter.model) if drafter is not None else None, 1)  # assisted generation: batch 1
-        stats = opt.__dict__.setdefault("_speculation_stats", {})
-        self.acceptance, self.measured = stats.setdefault(key, (Acceptance(), Measured()))
+        # kept per drafter (its model; None: prompt lookup or the target itself) and batch size
+        # (assisted generation: 1) across calls, dropped with the drafter
+        per_drafter = _STATS.setdefault(opt, weakref.WeakKeyDictionary() if drafter is not None else {})
+        key = drafter.model if drafter is not None else (kind, 1)
+        self.acceptance, self.measured = per_drafter.setdefault(key, (Acceptance(), Measured()))
         self.generator = None
         self.k = None
         self.steps = 0
@@ -119,6 +125,7 @@ class Speculation:
         self._draft_seconds = 0.0
         self._verify = None  # (tokens, seconds) of this step's verify forward
         self._drafted = 0  # tokens the current step drafted
+        self.drafted: dict[int, int] = {}  # drafted length -> steps, over this call
         self._compiled = False  # a graph was compiled during the current step: its times are not kept
         self._target_shape = _shape(opt.model)
         self._drafter_shape = _shape(drafter.model) if drafter is not None else None
@@ -145,7 +152,8 @@ class Speculation:
             self._verify = (tokens, seconds)
 
     def observe_draft(self, phase: str, tokens: int, seconds: float, compiled: bool) -> None:
-        """A forward of a separate draft model."""
+        """A forward of a separate draft model: its time is in the drafting time; only whether
+        it compiled matters."""
         self._compiled |= compiled
 
     # -- the candidate generator -----------------------------------------------------------
@@ -170,6 +178,13 @@ class Speculation:
             yield self
         finally:
             model.__dict__.pop("_get_candidate_generator", None)
+            if self.steps:
+                a = self.acceptance
+                self.opt.report.speculation.append({
+                    "when": "end of call", "drafter": self.kind, "batch": 1, "draft_length": self.k,
+                    "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
+                    "why": f"{self.steps} verify steps; drafted lengths (length: steps) {dict(sorted(self.drafted.items()))}",
+                    "drafted": dict(self.drafted)})
 
     def _attach(self, gen) -> None:
         if not hasattr(gen, self._length_attr(gen)):
@@ -177,8 +192,9 @@ class Speculation:
                                "candidate generators only")
         self.generator = gen
         for cfg in (getattr(gen, "generation_config", None), getattr(gen, "assistant_generation_config", None)):
-            if cfg is not None:  # the draft length is exactly this object's: no stopping on low confidence
-                cfg.assistant_confidence_threshold = 0.0
+            if cfg is not None:  # the draft length is exactly this object's: no stopping on low
+                cfg.assistant_confidence_threshold = 0.0  # confidence, no heuristic changing it
+                cfg.num_assistant_tokens_schedule = "constant"
         get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
 
         def timed_get_candidates(input_ids, *args, **kwargs):
@@ -211,11 +227,15 @@ class Speculation:
     def _after_verify(self, matched: int) -> None:
         self.steps += 1
         drafted = self._drafted
+        self.drafted[drafted] = self.drafted.get(drafted, 0) + 1
         if drafted:
             self.acceptance.observe(drafted, min(matched, drafted))
         wall = time.perf_counter() - self._step_start
         m = self.measured
-        if not self._compiled:  # a step that compiled a graph says nothing about the next ones
+        # a step that compiled a graph says nothing about the next ones; nor does a call's first
+        # step, whose drafting holds the drafter's prefill of the prompt (and the target's
+        # forward is the prompt's prefill, not a verify)
+        if not self._compiled and self._verify is not None:
             if self._verify is not None:
                 m.verify.setdefault(self._verify[0], _Mean()).add(self._verify[1])
             if self.kind == "assistant":
@@ -225,7 +245,8 @@ class Speculation:
             else:  # the n-gram search counts as the rest: per step, whatever the length
                 m.rest.add(max(0.0, wall - self._step_forwards))
         if self.fixed is None and self.k != 0:
-            self._set(self._choose(f"after step {self.steps}"))
+            self._choose(f"after step {self.steps}")
+        self._set(self.k)  # also over whatever the engine's own update did
 
     def _predicted_verify(self, tokens: int) -> float | None:
         if self._target_shape is None:
@@ -233,10 +254,7 @@ class Speculation:
         from metainfer import planner
 
         return planner.step_time(self._target_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
-                                 self._context(), tokens_per_seq=tokens)[0]
-
-    def _context(self) -> int:
-        return 1024  # the planner's decode context; its effect on a step is small at batch 1
+                                 CONTEXT, tokens_per_seq=tokens)[0]
 
     def _verify_seconds(self, n: int) -> float:
         measured = self.measured.verify_seconds(n)
@@ -254,7 +272,7 @@ class Speculation:
         from metainfer import planner
 
         return planner.step_time(self._drafter_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
-                                 self._context())[0]
+                                 CONTEXT)[0]
 
     def _hopeless(self, rate: float, rest: float, per_token: float) -> bool:
         """Whether no draft length pays even with the verify as cheap as one decode step (the
@@ -304,6 +322,16 @@ class Speculation:
         return k
 
 
+def statistics(opt) -> list[tuple[Acceptance, Measured]]:
+    """What `opt`'s speculative calls measured so far, one (acceptance, times) per drafter."""
+    return list(_STATS.get(opt, {}).values())
+
+
+def forget(opt) -> None:
+    """Drop what `opt`'s speculative calls measured: the next call decides from its prior."""
+    _STATS.pop(opt, None)
+
+
 def _tokens(kwargs) -> int:
     ids = kwargs.get("input_ids")
     return ids.shape[-1] if isinstance(ids, torch.Tensor) else 1
@@ -316,7 +344,11 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
     edited for Hugging Face (the assistant's model, not its wrapper)."""
     from metainfer.api import OptimizedModel, optimize
 
-    assistant, lookup = kwargs.get("assistant_model"), kwargs.get("prompt_lookup_num_tokens")
+    configs = [c for c in (kwargs.get("generation_config"), getattr(opt.model, "generation_config", None)) if c is not None]
+    assistant = kwargs.get("assistant_model")
+    lookup = kwargs.get("prompt_lookup_num_tokens",
+                        next((c.prompt_lookup_num_tokens for c in configs
+                              if getattr(c, "prompt_lookup_num_tokens", None) is not None), None))
     if draft_length is not None and (isinstance(draft_length, bool) or not isinstance(draft_length, int)
                                      or draft_length < 0):
         raise ValueError(f"draft_length must be a non-negative integer (or None: metainfer chooses), "
@@ -328,24 +360,28 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
         return None
     if assistant is not None and lookup is not None:
         raise ValueError("pass either assistant_model= or prompt_lookup_num_tokens=, not both")
-    if kwargs.get("do_sample"):
+    if kwargs.get("do_sample", next((c.do_sample for c in configs if getattr(c, "do_sample", None) is not None),
+                                    False)):
         raise ValueError("metainfer's speculative decoding is greedy (do_sample=False): sampled assisted "
                          "generation is not supported yet")
     drafter = None
     if assistant is not None:
-        if assistant is opt or assistant is opt.model:
+        model = assistant.model if isinstance(assistant, OptimizedModel) else assistant
+        if model is opt.model:  # the target drafts for itself, through its own graphs
             drafter = opt
         elif isinstance(assistant, OptimizedModel):
             drafter = assistant
         else:
-            drafters = opt.__dict__.setdefault("_drafters", {})
-            drafter = drafters.get(id(assistant))
-            if drafter is None or drafter.model is not assistant:
-                drafter = drafters[id(assistant)] = optimize(assistant, opt.target)
+            drafter = _DRAFTERS.get(assistant)
+            if drafter is None:
+                drafter = _DRAFTERS[assistant] = optimize(assistant, opt.target)
         kwargs["assistant_model"] = drafter.model
         kind, cap = "assistant", MAX_DRAFT
     else:
         if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be a positive integer, got {lookup!r}")
+        if draft_length is not None and draft_length > lookup:
+            raise ValueError(f"draft_length={draft_length} exceeds prompt_lookup_num_tokens={lookup}, the most "
+                             "prompt lookup drafts")
         kind, cap = "prompt lookup", lookup
     return Speculation(opt, kind, draft_length, cap, drafter=None if drafter is opt else drafter)

@@ -397,7 +397,8 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     x = xs.args[0]
     for where in zeroed[::3]:
         ge = where.args[0].args[0]
-        if not (ge.args[0].target is operator.getitem and ge.args[0].args[0] is srt and ge.args[1] == E):
+        if not (ge.args[0].target is operator.getitem and ge.args[0].args[0] is srt and ge.args[0].args[1] == 0
+                and ge.args[1] == E):  # the sorted values (output 0 of the sort), not the permutation
             raise NearMiss(f"{where.name} zeroes rows by a mask other than the sorted ids >= {E} "
                            "(transformers' expert-parallel sentinel)")
     region = {total, v, back, mul, g2, wd_t, h, *sw_nodes, g1, wgu_t, xs, xs.args[1][0], offs, inv, w_rows, w_col,

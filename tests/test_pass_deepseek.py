@@ -184,7 +184,7 @@ def expert_parallel_graph():
 def test_fuse_moe_on_transformers_expert_parallel_experts(expert_parallel_graph):
     gm, args = expert_parallel_graph
     after, rec = run(gm, "fuse_moe")
-    assert rec["fuse_moe"].matches == 2, rec["fuse_moe"].near_misses  # 2 local experts each, top-2
+    assert rec["fuse_moe"].matches == 2, rec["fuse_moe"].near_misses  # both layers (2 local experts each)
     assert count_calls(after, torch.ops.aten.where) < count_calls(gm, torch.ops.aten.where)  # sentinel rows gone
     assert_same(gm, after, args)
 
@@ -198,6 +198,16 @@ def test_fuse_moe_does_not_take_rows_zeroed_by_another_mask(expert_parallel_grap
     after, rec = run(gm, "fuse_moe")
     assert rec["fuse_moe"].matches == 0
     assert all("mask other than the sorted ids >= 2" in m for m in rec["fuse_moe"].near_misses), rec["fuse_moe"].near_misses
+
+
+def test_fuse_moe_does_not_take_rows_zeroed_by_the_permutation(expert_parallel_graph):
+    gm, args = expert_parallel_graph
+    for n in gm.graph.nodes:  # the sentinel test read off the sort's permutation instead of its values
+        if n.target is torch.ops.aten.ge.Scalar and n.args[1] == 2 and n.args[0].target is operator.getitem:
+            n.args = (next(u for u in n.args[0].args[0].users if u.args[1] == 1), 2)
+    gm.recompile()
+    after, rec = run(gm, "fuse_moe")
+    assert rec["fuse_moe"].matches == 0, rec["fuse_moe"].decisions
 
 
 def test_fuse_moe_does_not_fire_on_a_partial_loop():

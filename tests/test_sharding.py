@@ -24,23 +24,26 @@ class _Mix(nn.Module):
         super().__init__()
         self.inner = nn.Linear(d, 2 * d)
         self.w = nn.Parameter(torch.randn(d, 2 * d) / d)
+        self.gain = nn.Parameter(torch.randn(2 * d))  # per-unit, like attention sinks: split with inner's outputs
 
     def forward(self, x):
-        return self.inner(x) @ self.w.t()
+        return (self.inner(x) * self.gain) @ self.w.t()
 
 
 class StyleZoo(nn.Module):
     TP_PLAN = {"embed": "embedding_rowwise", "embed2": "embedding_colwise", "up": "colwise_gather_output",
                "down": "rowwise_split_input", "gate_up": "packed_colwise", "down2": "rowwise",
                "norm": "sequence_parallel", "mix": "all_reduce", "mix.inner": "colwise", "mix.w": "rowwise",
-               "head_norm": "replicated_with_grad_allreduce", "gate_up2": "colwise_rep", "down3": "rowwise_rep"}
+               "mix.gain": "colwise", "head_norm": "replicated_with_grad_allreduce", "gate_up2": "colwise_rep",
+               "down3": "rowwise_rep", "up4": "unit_colwise", "down4": "unit_rowwise"}
 
     def __init__(self, vocab=32, d=16):
         super().__init__()
         self.embed, self.embed2 = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
         self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.gate_up, self.down2 = nn.Linear(d, 8 * d, bias=False), nn.Linear(4 * d, d)
+        self.gate_up, self.down2 = nn.Linear(d, 8 * d), nn.Linear(4 * d, d)  # packed, with a bias
         self.gate_up2, self.down3 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.up4, self.down4 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
         self.norm, self.head_norm = nn.LayerNorm(d), nn.RMSNorm(d)
         self.mix = _Mix(d)
         self.lm = nn.Linear(d, vocab, bias=False)
@@ -51,6 +54,7 @@ class StyleZoo(nn.Module):
         g, u = self.gate_up(x).chunk(2, -1)
         x = x + self.down2(F.silu(g) * u)
         x = x + self.down3(torch.tanh(self.gate_up2(x)))
+        x = x + self.down4(F.relu(self.up4(x)))
         x = self.norm(x)
         x = x + self.mix(x)
         return self.lm(self.head_norm(x))
@@ -78,6 +82,8 @@ def test_every_style_name_on_two_ranks():
         assert local["embed2.weight"] == (32, 8)  # hidden split
         assert local["gate_up.weight"] == (64, 16)  # this rank's gate and up rows
         assert local["mix.w"] == (16, 16)  # a bare parameter: its chunk
+        assert local["mix.gain"] == (16,)
+        assert local["gate_up.bias"] == (64,)
         assert local["head_norm.weight"] == (16,)  # gradients-only style: whole
 
 
@@ -94,6 +100,18 @@ def test_styles_that_cannot_be_honoured_are_named():
     with pytest.raises(ValueError, match=r"\['diagonal'\]"):
         sharding.check_shardable(Unknown(), 2)
 
+    class PackedRows(StyleZoo):
+        TP_PLAN = {"down2": "packed_rowwise"}
+
+    with pytest.raises(ValueError, match="packed_rowwise.*expert_parallel=True"):
+        sharding.check_shardable(PackedRows(), 2)
+
+    class BiasSplit(StyleZoo):
+        TP_PLAN = {"up": "colwise", "down.bias": "rowwise"}
+
+    with pytest.raises(ValueError, match="names the parameter down.bias"):
+        sharding.check_shardable(BiasSplit(), 2)
+
 
 def test_kv_heads_that_neither_split_nor_replicate_are_refused():
     model = tiny_hf_model("Llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
@@ -102,6 +120,9 @@ def test_kv_heads_that_neither_split_nor_replicate_are_refused():
     assert sharding.check_shardable(model, 2)  # 3 query heads over 1 KV head per rank
     with pytest.raises(ValueError, match="6 attention heads .* do not split over tensor-parallel degree 4"):
         sharding.check_shardable(model, 4)
+    more_kv = tiny_hf_model("Llama", num_attention_heads=12, num_key_value_heads=6, hidden_size=96)
+    with pytest.raises(ValueError, match="6 key-value heads neither split over nor replicate onto.*4"):
+        sharding.check_shardable(more_kv, 4)  # 12 query heads split, but 6 KV heads neither split nor replicate
 
 
 def test_the_planner_spreads_hugging_face_experts():
@@ -117,7 +138,10 @@ def test_the_planner_spreads_hugging_face_experts():
                                       moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    assert sharding.has_experts(model) and sharding.expert_counts(model) == {128}
+    assert sharding.has_experts(model)
+    sharding.check_expert_parallel(model, 8)  # 128 experts, every per-expert weight in the plan
+    with pytest.raises(ValueError, match="128 experts do not split over 3 ranks"):
+        sharding.check_expert_parallel(model, 3)
     d = distributed.choose_degrees(model, targets.get("pcie8"), 8)
     assert (d.tp, d.expert_parallel) == (8, True), d.why
     assert d.why.startswith("degrees: tp8 ep8")

@@ -39,8 +39,25 @@ def test_speculation_never_changes_greedy_tokens(target, how):
     assert torch.equal(out, greedy)
     decisions = opt.report.speculation[before:]
     assert decisions and all(d["batch"] == 1 and d["why"] for d in decisions)
+    assert decisions[-1]["when"] == "end of call"
     if "draft_length" in kw:
-        assert [d["draft_length"] for d in decisions] == [kw["draft_length"]]
+        assert [d["draft_length"] for d in decisions[:-1]] == [kw["draft_length"]]
+        drafted = decisions[-1]["drafted"]
+        assert max(drafted) <= kw["draft_length"] and drafted.get(kw["draft_length"]), drafted
+
+
+def test_a_fixed_length_holds_over_the_engines_own_schedule(target):
+    """Hugging Face's "heuristic" schedule would lengthen the draft by 2 after each fully
+    accepted one (the target drafting for itself accepts everything)."""
+    model, ids, greedy, opt = target
+    model.generation_config.num_assistant_tokens_schedule = "heuristic"
+    try:
+        out = opt.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=opt, draft_length=2)
+    finally:
+        model.generation_config.num_assistant_tokens_schedule = "constant"
+    assert torch.equal(out, greedy)
+    end = opt.report.speculation[-1]
+    assert end["when"] == "end of call" and set(end["drafted"]) <= {0, 1, 2} and end["drafted"].get(2), end
 
 
 def test_verify_and_draft_graphs_are_labelled_and_bounded(target):

@@ -286,6 +286,15 @@ def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zer
 _CPU_CHUNK_BYTES = 64 * 2**20
 
 
+def softcap_window(args, kwargs=None) -> tuple:
+    """(softcap, window) from the arguments of a metainfer::attention call (positional as the
+    op's schema orders them, or by name); (0.0, 0) where it has neither."""
+    kwargs = kwargs or {}
+    softcap = args[8] if len(args) > 8 else kwargs.get("softcap", 0.0)
+    window = args[9] if len(args) > 9 else kwargs.get("window", 0)
+    return softcap, window
+
+
 def cpu_fused_path(head_dim, v_head_dim, mask_dtype, dtype, causal: bool, causal_offset, softcap=0.0,
                    window=0) -> bool:
     """Whether `cpu_forward` runs torch's fused SDPA kernel for these inputs (else the chunked

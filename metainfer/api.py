@@ -118,7 +118,8 @@ class OptimizedModel:
             name = self._backend.phase = phase(kwargs)
             self._backend.call_starts()
             packed = step is not None or (symbolic is not None and symbolic(kwargs))
-            graphs, start = len(self.report.sections), time.perf_counter()
+            if observe is not None:
+                graphs, start = len(self.report.sections), time.perf_counter()
             with (torch.no_grad(), capture.capturable(self.model) as notes,
                   step(kwargs) if step is not None else contextlib.nullcontext()):
                 try:

@@ -305,7 +305,9 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
         B, H, Sq, D = (size_hint(s) for s in q.shape)
         keys = size_hint(k.shape[2]) if name == "attention" else size_hint(a[3].shape[-1])
         frac = 0.5 if name == "attention" and a[5] and Sq > 1 else 1.0  # causal: about half the matrix
-        window = _attention_window(a) if name == "attention" else 0
+        from metainfer.kernels.attention import softcap_window
+
+        window = int(size_hint(softcap_window(a)[1])) if name == "attention" else 0
         if 0 < window < keys:  # a sliding window: about `window` keys per query
             keys, frac = window, 1.0
         return 2 * B * H * Sq * keys * (D + size_hint(v.shape[-1])) * frac, _peak_key(q.dtype)
@@ -356,22 +358,17 @@ def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, cus
     return c
 
 
-def _attention_window(args) -> int:
-    """The sliding window of metainfer::attention's arguments (0: none)."""
-    return int(size_hint(args[9])) if len(args) > 9 and args[9] else 0
-
-
 def _cpu_attention_scores(node: torch.fx.Node) -> "tuple[float, float] | None":
     """For metainfer::attention on a CPU device: None where its CPU path is torch's fused SDPA
     kernel; else (FLOPs, extra bytes) of the chunked path, which computes every score (no causal
     skip; with a window only its chunk's window) into an fp32 matrix that several eager ops read
     and write."""
-    from metainfer.kernels.attention import chunked_keys_per_row, chunked_score_passes, cpu_fused_path
+    from metainfer.kernels.attention import chunked_keys_per_row, chunked_score_passes, cpu_fused_path, softcap_window
 
     q, k, v, mask = (_val(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
     causal, offset = node.args[5], node.args[6]
-    softcap = node.args[8] if len(node.args) > 8 else 0.0
-    window = _attention_window(node.args)
+    softcap, window = softcap_window(node.args, node.kwargs)
+    window = int(size_hint(window))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not isinstance(causal, bool):
         return None
     mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else None

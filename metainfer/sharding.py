@@ -5,7 +5,7 @@ layers, inside one group of ranks.
 - `tp_plan(model)`: Hugging Face's `base_model_tp_plan` (FQN pattern -> style name), or
   `TP_PLAN` declared beside a models/ model.
 - `check_shardable(model, degree)` / `shard(model, mesh)`: every style name Hugging Face's
-  plans use, honoured as torch's parallel styles (table `_STYLES`); styles that only matter
+  plans use, honoured as torch's parallel styles (`_torch_styles`); styles that only matter
   for gradients are no-ops here; a style that cannot be honoured is refused by name before
   any collective.
 - More ranks than key-value heads: each K/V projection keeps the one head its rank's query
@@ -39,34 +39,30 @@ _REFUSED = {
 _KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv")  # names of the key / value projections
 
 
-def _torch_style(style: str):
-    """The torch parallel style that does what Hugging Face's `style` does in a forward."""
+def _torch_styles() -> dict:
+    """Hugging Face's style name -> the torch parallel style that does what it does in a forward."""
     from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                    SequenceParallel)
 
-    if style in ("colwise", "unit_colwise", "packed_colwise"):
-        return ColwiseParallel()
-    if style in ("rowwise", "unit_rowwise"):
-        return RowwiseParallel()
-    if style in ("colwise_gather_output", "colwise_rep"):
-        return ColwiseParallel(output_layouts=Replicate())
-    if style in ("rowwise_split_input", "rowwise_rep"):
-        return RowwiseParallel(input_layouts=Replicate())
-    if style == "embedding_rowwise":  # vocabulary split, partial lookups summed
-        return RowwiseParallel(input_layouts=Replicate())
-    if style == "embedding_colwise":  # each rank a slice of every vector, gathered
-        return ColwiseParallel(output_layouts=Replicate())
-    if style == "sequence_parallel":
-        return SequenceParallel(use_local_output=True)
-    if style == "all_reduce":  # the module's output is a partial sum
-        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
-    return None
+    return {
+        "colwise": ColwiseParallel, "unit_colwise": ColwiseParallel, "packed_colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel, "unit_rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # vocabulary split, partial lookups summed / each rank a slice of every vector, gathered
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+        # the module's output is a partial sum
+        "all_reduce": lambda: PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    }
 
 
-STYLES = ("colwise", "unit_colwise", "packed_colwise", "rowwise", "unit_rowwise",
-          "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
-          "embedding_colwise", "sequence_parallel", "all_reduce", *sorted(_GRADIENTS_ONLY))
+_TORCH_STYLES = _torch_styles()
+STYLES = (*_TORCH_STYLES, *sorted(_GRADIENTS_ONLY))
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -162,7 +158,7 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
     if quantised:
         raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
                          f"supported yet ({quantised[0]} and others would need their scales split too)")
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    names = modules + [n for n, _ in model.named_parameters()]
     unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if len(unmatched) == len(plan):
         raise ValueError(f"tensor-parallel plan of {type(model).__name__} matches none of its modules "
@@ -221,7 +217,7 @@ def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
         if style == "packed_colwise":
             for _, m in owners:
                 _interleave(m, degree)
-        styles[pattern] = _torch_style(style)
+        styles[pattern] = _TORCH_STYLES[style]()
     with warnings.catch_warnings():  # a pattern need not match in every layer (dense vs MoE layers)
         warnings.filterwarnings("ignore", message="Parallelize plan key")
         parallelize_module(model, mesh, styles)
@@ -274,21 +270,25 @@ def _expert_weights(model: torch.nn.Module, name: str, experts: torch.nn.Module)
     return named
 
 
+def _own_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """models/ MoE layers, which spread their own experts (`shard_experts`)."""
+    return [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
+
+
 def has_experts(model: torch.nn.Module) -> bool:
     """Whether `model` has MoE layers that expert_parallel() can spread."""
-    return (any(callable(getattr(m, "shard_experts", None)) for m in model.modules())
-            or bool(hf_expert_modules(model)))
+    return bool(_own_moe_layers(model) or hf_expert_modules(model))
 
 
-def check_expert_parallel(model: torch.nn.Module, degree: int) -> None:
-    """Refuse, before any collective, experts that cannot be spread over `degree` ranks."""
-    counts = ({m.n_experts for m in model.modules() if callable(getattr(m, "shard_experts", None))}
-              | {m.num_experts for _, m in hf_expert_modules(model)})
+def check_expert_parallel(model: torch.nn.Module, degree: int) -> list[tuple[str, torch.nn.Module, list[str]]]:
+    """Refuse, before any collective, experts that cannot be spread over `degree` ranks; the
+    Hugging Face experts modules with the weights to slice."""
+    hf = [(name, m, _expert_weights(model, name, m)) for name, m in hf_expert_modules(model)]
+    counts = {m.n_experts for m in _own_moe_layers(model)} | {m.num_experts for _, m, _ in hf}
     bad = sorted(e for e in counts if e % degree)
     if bad:
         raise ValueError(f"{bad[0]} experts do not split over {degree} ranks for expert parallelism")
-    for name, m in hf_expert_modules(model):
-        _expert_weights(model, name, m)
+    return hf
 
 
 def expert_parallel(model: torch.nn.Module, group) -> int:
@@ -297,10 +297,10 @@ def expert_parallel(model: torch.nn.Module, group) -> int:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layers = [m for m in model.modules() if callable(getattr(m, "shard_experts", None))]
+    hf = check_expert_parallel(model, world)
+    layers = _own_moe_layers(model)
     for m in layers:
         m.shard_experts(rank, world, group)
-    hf = [(name, m, _expert_weights(model, name, m)) for name, m in hf_expert_modules(model)]  # checked first
     for name, m, weights in hf:
         _spread_hf_experts(name, m, weights, rank, world, group)
     return len(layers) + len(hf)
@@ -309,15 +309,13 @@ def expert_parallel(model: torch.nn.Module, group) -> int:
 def _spread_hf_experts(name: str, experts: torch.nn.Module, weights: list[str], rank: int, world: int,
                        group) -> None:
     """Keep experts [rank E/world, (rank+1) E/world) of a transformers experts module: its
-    stacked (E, ...) parameters sliced, `num_experts` the local count, routing ids shifted
+    per-expert `weights` sliced, `num_experts` the local count, routing ids shifted
     (others point at the sentinel E/world with weight 0, which transformers' experts skip),
     the ranks' partial outputs summed."""
     from torch.distributed import _functional_collectives as funcol
 
-    E = experts.num_experts
-    if E % world:
-        raise ValueError(f"{E} experts do not split over {world} ranks for expert parallelism ({name})")
-    per, lo = E // world, rank * (E // world)
+    per = experts.num_experts // world  # check_expert_parallel: it divides
+    lo = rank * per
     for pname in weights:
         parent, _, leaf = pname.rpartition(".")
         owner = experts.get_submodule(parent) if parent else experts

@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_DRAFT = 8
+from metainfer import planner
+
 _STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # OptimizedModel -> drafter -> stats
-_DRAFTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a plain drafter -> its OptimizedModel
 # draft lengths tried first, in turn, so that two verify lengths get measured: a draft model's
 # tokens cost time, so short; prompt lookup's are free, so long and half that
 PROBE = {"assistant": lambda cap: (1, 2), "prompt lookup": lambda cap: (cap, max(1, cap // 2))}
+_DRAFTER_ATTR = "_metainfer_drafter"  # a plain draft model's optimized copy, on the model
 CONTEXT = 1024  # tokens in the cache the cost model prices a step at (small effect at batch 1)
 PROBE_STEPS = 8  # steps probing may take (steps that compile measure nothing) before deciding anyway
 
@@ -236,8 +237,7 @@ class Speculation:
         # step, whose drafting holds the drafter's prefill of the prompt (and the target's
         # forward is the prompt's prefill, not a verify)
         if not self._compiled and self._verify is not None:
-            if self._verify is not None:
-                m.verify.setdefault(self._verify[0], _Mean()).add(self._verify[1])
+            m.verify.setdefault(self._verify[0], _Mean()).add(self._verify[1])
             if self.kind == "assistant":
                 if drafted:
                     m.draft_per_token.add(self._draft_seconds, drafted)
@@ -251,8 +251,6 @@ class Speculation:
     def _predicted_verify(self, tokens: int) -> float | None:
         if self._target_shape is None:
             return None
-        from metainfer import planner
-
         return planner.step_time(self._target_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
                                  CONTEXT, tokens_per_seq=tokens)[0]
 
@@ -269,24 +267,18 @@ class Speculation:
             return measured or 0.0
         if self._drafter_shape is None:
             return self._verify_seconds(1)  # no shape: as costly as the target's step
-        from metainfer import planner
-
         return planner.step_time(self._drafter_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
                                  CONTEXT)[0]
 
     def _hopeless(self, rate: float, rest: float, per_token: float) -> bool:
         """Whether no draft length pays even with the verify as cheap as one decode step (the
         best case for speculation), by what is measured so far: probing can stop."""
-        from metainfer import planner
-
         if not (self.measured.draft_per_token.count or self.kind != "assistant") or not self.steps:
             return False
         flat = self._verify_seconds(1) + rest
         return planner.best_draft_length(rate, lambda n: flat, lambda k: k * per_token, self.max_draft)[0] == 0
 
     def _choose(self, when: str) -> int:
-        from metainfer import planner
-
         a = self.acceptance
         rest = self.measured.rest.value or 0.0
         per_token = self._draft_seconds_per_token()
@@ -340,7 +332,7 @@ def _tokens(kwargs) -> int:
 def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
     """The Speculation for a generate() call whose kwargs ask for assisted generation (an
     `assistant_model`, or `prompt_lookup_num_tokens`), None otherwise. An assistant that is a
-    plain model is optimized for the same target first (kept for later calls); the kwargs are
+    plain model is optimized for the same target first (kept while it lives); the kwargs are
     edited for Hugging Face (the assistant's model, not its wrapper)."""
     from metainfer.api import OptimizedModel, optimize
 
@@ -371,12 +363,13 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
             drafter = opt
         elif isinstance(assistant, OptimizedModel):
             drafter = assistant
-        else:
-            drafter = _DRAFTERS.get(assistant)
-            if drafter is None:
-                drafter = _DRAFTERS[assistant] = optimize(assistant, opt.target)
+        else:  # kept on the drafter itself (a weak map's value would keep its key alive)
+            drafter = assistant.__dict__.get(_DRAFTER_ATTR)
+            if drafter is None or drafter.target != opt.target:
+                drafter = optimize(assistant, opt.target)
+                assistant.__dict__[_DRAFTER_ATTR] = drafter
         kwargs["assistant_model"] = drafter.model
-        kind, cap = "assistant", MAX_DRAFT
+        kind, cap = "assistant", planner.MAX_DRAFT
     else:
         if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be a positive integer, got {lookup!r}")

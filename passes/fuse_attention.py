@@ -693,14 +693,6 @@ def _match_sdpa(node: Node, interp: ma.MaskInterpreter) -> Match | None:
 
 # ---- rewrite ---------------------------------------------------------------------------
 
-def softcap_window(node: Node) -> tuple[float, int]:
-    """(softcap, window) of a metainfer::attention node; (0.0, 0) where it has neither (the
-    node then has the op's first eight arguments only)."""
-    softcap = node.args[8] if len(node.args) > 8 else node.kwargs.get("softcap", 0.0)
-    window = node.args[9] if len(node.args) > 9 else node.kwargs.get("window", 0)
-    return softcap, window
-
-
 def _materialise(graph, m: Match, op: Operand) -> Node:
     n = op.node
     if m.unsqueeze_batch:

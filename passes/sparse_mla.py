@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from metainfer.kernels.attention import softcap_window
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
-from .fuse_attention import softcap_window
 from .matching import (
     CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
 )
@@ -62,7 +62,7 @@ class SparseMLA(Pass):
                 continue
             if found is None:
                 continue
-            if softcap_window(node) != (0.0, 0):
+            if softcap_window(node.args, node.kwargs) != (0.0, 0):
                 res.near_misses.append(f"{location(node)}: sparse attention not used: the attention is soft-capped "
                                        "or windowed, which metainfer.sparse_attention does not compute")
                 continue

@@ -52,7 +52,7 @@ class OptimizedModel:
 
     def __call__(self, *args, **kwargs):
         check_devices(self.target, args, kwargs, what="input")
-        with self._installed(lambda kw: "forward"):
+        with self._installed(lambda kw, n: "forward"):
             return self.model(*args, **kwargs)
 
     def generate(self, *args, draft_length: int | None = None, **kwargs):
@@ -76,14 +76,14 @@ class OptimizedModel:
         spec = speculative.prepare(self, kwargs, draft_length)
         if spec is None:
             steps = itertools.count()
-            with self._installed(lambda kw: "prefill" if next(steps) == 0 else "decode"):
+            with self._installed(lambda kw, n: "prefill" if next(steps) == 0 else "decode"):
                 return self.model.generate(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(spec.installed())
             stack.enter_context(self._installed(spec.phase, observe=spec.observe, symbolic=spec.symbolic))
             if spec.drafter is not None:
-                stack.enter_context(spec.drafter._installed(lambda kw: "draft", observe=spec.observe_draft,
-                                                            symbolic=lambda kw: True))
+                stack.enter_context(spec.drafter._installed(lambda kw, n: "draft", observe=spec.observe_draft,
+                                                            symbolic=lambda kw, n: True))
             return self.model.generate(*args, **kwargs)
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, **kwargs):
@@ -104,10 +104,11 @@ class OptimizedModel:
     @contextlib.contextmanager
     def _installed(self, phase, step=None, observe=None, symbolic=None):
         """Route the model's forward through the compiled graphs: the model's own __call__
-        (hooks included) and generate() loop stay as they are. `phase(kwargs)` labels each call;
+        (hooks included) and generate() loop stay as they are. `phase(kwargs, tokens)` labels each
+        call (tokens: the length of its token ids, 1 if it has none);
         `step`, if given, is a serving engine's: step(kwargs) is a context for the call, and the
         call's token ids are packed requests (positions are checked per request, not here).
-        `symbolic(kwargs)`: whether the call takes the graphs compiled with symbolic sizes from
+        `symbolic(kwargs, tokens)`: whether the call takes the graphs compiled with symbolic sizes from
         the first call on (as a serving step does); `observe(phase, tokens, seconds, compiled)`
         hears of every call."""
 
@@ -115,9 +116,11 @@ class OptimizedModel:
         def forward(*args, **kwargs):
             self._refuse_training()
             args, kwargs, finish = self._inputs.check(args, kwargs, positions=step is None)
-            name = self._backend.phase = phase(kwargs)
+            ids = self._inputs.token_ids(args, kwargs)
+            tokens = ids.shape[-1] if ids is not None and ids.dim() else 1
+            name = self._backend.phase = phase(kwargs, tokens)
             self._backend.call_starts()
-            packed = step is not None or (symbolic is not None and symbolic(kwargs))
+            packed = step is not None or (symbolic is not None and symbolic(kwargs, tokens))
             if observe is not None:
                 graphs, start = len(self.report.sections), time.perf_counter()
             with (torch.no_grad(), capture.capturable(self.model) as notes,
@@ -127,9 +130,7 @@ class OptimizedModel:
                 except torch._dynamo.exc.TorchDynamoException as e:
                     raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
             if observe is not None:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                observe(name, ids.shape[-1] if isinstance(ids, torch.Tensor) else 1, time.perf_counter() - start,
-                        len(self.report.sections) != graphs)
+                observe(name, tokens, time.perf_counter() - start, len(self.report.sections) != graphs)
             finish()
             for note in notes:
                 if note not in self.report.notes:

@@ -281,7 +281,7 @@ def attention(opt):
 def forwards(opt, paged: bool):
     """While the engine runs: its forwards through the compiled graphs. Yields the step counter."""
     step = _Step(paged)
-    with opt._installed(lambda kw: (lambda: step_label(kw)), step=step):
+    with opt._installed(lambda kw, n: (lambda: step_label(kw)), step=step):
         yield step
 
 

@@ -1,10 +1,14 @@
-"""Speculative decoding through Hugging Face's assisted generation (the engine: candidates from
-a draft model or from prompt lookup, one verify forward of the target over them), with
-metainfer's graphs for the verify and draft steps and the draft length chosen by metainfer.
+"""Speculative decoding with metainfer's graphs for the verify and draft steps and the draft
+length chosen by metainfer. Two engines run the steps:
+- Hugging Face's assisted generation (candidates from a draft model or from prompt lookup, one
+  verify forward of the target over them): metainfer hands it a candidate generator's length;
+- a models/ model's own loop (models/ DeepSeek with MTP layers: `generate(..., speculate=)`),
+  which asks a policy for each draft length and tells it what was accepted.
 
     opt.generate(ids, assistant_model=draft, max_new_tokens=64)           # draft length: auto
     opt.generate(ids, prompt_lookup_num_tokens=8, max_new_tokens=64)      # auto, at most 8
     opt.generate(ids, assistant_model=draft, draft_length=3, ...)         # fixed at 3
+    opt.generate(prompt, 64)                # models/ DeepSeek with MTP layers: auto, the MTP drafts
 
 The draft length k maximises expected accepted tokens per second (planner.best_draft_length):
     tokens per step = (1 - a^(k+1)) / (1 - a)        a: acceptance per drafted token
@@ -12,12 +16,13 @@ The draft length k maximises expected accepted tokens per second (planner.best_d
 - a is measured: a Beta(1, 1) prior updated after every verify with the tokens accepted and
   whether a drafted token was rejected; kept per drafter and batch size across calls.
 - verify(n) is measured: a least-squares line through the target's measured forwards by new
-  tokens. Until two lengths are measured the first steps probe (a draft model: k = 1, 2; prompt
-  lookup: its maximum and half of it); before any
+  tokens. Until two lengths are measured the first steps probe (a draft model or MTP: k = 1, 2;
+  prompt lookup: its maximum and half of it); before any
   measurement the cost model's prediction (planner.step_time) stands in. draft(k) is k times
   the measured drafting time per token (prompt lookup: none; its n-gram search is part of the
-  rest), a draft model's predicted from its shape until measured; the rest of a step (the
-  engine's bookkeeping) is measured. Steps that compiled a graph are not measured.
+  rest), a draft model's (or MTP layer's) predicted from its shape until measured; the rest of
+  a step (the engine's bookkeeping) is measured. Steps that compiled a graph, and a call's
+  first step (it holds the drafter's pass over the prompt), are not measured.
 The length is re-chosen after every verify; k = 0 switches speculation off for the rest of
 the call (plain decode steps). Every change, with its reason, goes into the report's
 `speculation` list.
@@ -26,6 +31,7 @@ the call (plain decode steps). Every change, with its reason, goes into the repo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -37,7 +43,8 @@ from metainfer import planner
 _STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # OptimizedModel -> drafter -> stats
 # draft lengths tried first, in turn, so that two verify lengths get measured: a draft model's
 # tokens cost time, so short; prompt lookup's are free, so long and half that
-PROBE = {"assistant": lambda cap: (1, 2), "prompt lookup": lambda cap: (cap, max(1, cap // 2))}
+PROBE = {"assistant": lambda cap: (1, 2), "mtp": lambda cap: (1, 2),
+         "prompt lookup": lambda cap: (cap, max(1, cap // 2))}
 _DRAFTER_ATTR = "_metainfer_drafter"  # a plain draft model's optimized copy, on the model
 CONTEXT = 1024  # tokens in the cache the cost model prices a step at (small effect at batch 1)
 PROBE_STEPS = 8  # steps probing may take (steps that compile measure nothing) before deciding anyway
@@ -105,12 +112,14 @@ def _shape(model):
 
 
 class Speculation:
-    """One assisted generate() of an OptimizedModel: labels its forwards (prefill, verify,
-    decode, draft), measures them, and sets the candidate generator's draft length."""
+    """One speculative generate() of an OptimizedModel: labels its forwards (prefill, verify,
+    decode, draft), measures them, and sets the draft length: the candidate generator's
+    (Hugging Face), or as the policy a models/ loop asks (`draft_length()`, `verified()`)."""
 
     def __init__(self, opt, kind: str, fixed: int | None, max_draft: int, drafter=None):
         self.opt, self.kind, self.fixed, self.max_draft = opt, kind, fixed, max_draft
-        self.drafter = drafter  # the draft OptimizedModel (assistant kind), or None
+        self.drafter = drafter  # the draft OptimizedModel (assistant, MTP), or None
+        self.drafts_cost = kind != "prompt lookup"  # drafted tokens take forwards of a drafter
         # kept per drafter (its model; None: prompt lookup or the target itself) and batch size
         # (assisted generation: 1) across calls, dropped with the drafter
         per_drafter = _STATS.setdefault(opt, weakref.WeakKeyDictionary() if drafter is not None else {})
@@ -130,19 +139,22 @@ class Speculation:
         self._compiled = False  # a graph was compiled during the current step: its times are not kept
         self._target_shape = _shape(opt.model)
         self._drafter_shape = _shape(drafter.model) if drafter is not None else None
+        if kind == "mtp" and self._target_shape is not None:  # one decoder layer (+ the shared head)
+            self._drafter_shape = dataclasses.replace(self._target_shape, name=f"{self._target_shape.name} MTP",
+                                                      layers=1, dense_layers=0)
 
     # -- labels for the target's forwards ------------------------------------------------
-    def phase(self, kwargs) -> str:
+    def phase(self, kwargs, tokens: int) -> str:
         if self.in_draft:
             return "draft"
         self.calls += 1
         if self.calls == 1:
             return "prefill"
-        return "verify" if _tokens(kwargs) > 1 else "decode"
+        return "verify" if tokens > 1 else "decode"
 
-    def symbolic(self, kwargs) -> bool:
+    def symbolic(self, kwargs, tokens: int) -> bool:
         """Verify steps (and drafts) compile once with symbolic lengths: k + 1 changes."""
-        return self.in_draft or (self.calls > 1 and _tokens(kwargs) > 1)
+        return self.in_draft or (self.calls > 1 and tokens > 1)
 
     def observe(self, phase: str, tokens: int, seconds: float, compiled: bool) -> None:
         """A forward of the target (drafting forwards are inside the drafting time)."""
@@ -153,13 +165,51 @@ class Speculation:
             self._verify = (tokens, seconds)
 
     def observe_draft(self, phase: str, tokens: int, seconds: float, compiled: bool) -> None:
-        """A forward of a separate draft model: its time is in the drafting time; only whether
-        it compiled matters."""
+        """A forward of a separate drafter. Hugging Face's drafting is timed around its whole
+        candidate search; a models/ loop's drafting is the sum of these forwards."""
         self._compiled |= compiled
+        if self.kind == "mtp":
+            self._draft_seconds += seconds
+
+    # -- a models/ loop's policy (generate(..., speculate=self)) -------------------------
+    def draft_length(self) -> int:
+        """The length to draft now: a step starts (drafting, verify, the loop's bookkeeping)."""
+        if self.k is None:
+            self._choose("before the first step")
+        self._begin_step()
+        return self.k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The step's verify kept `accepted` of `drafted` tokens: the step ends."""
+        self._drafted = drafted
+        self._after_verify(accepted)
+
+    def _begin_step(self) -> None:
+        self._step_start = time.perf_counter()
+        self._step_forwards, self._verify, self._compiled, self._draft_seconds = 0.0, None, False, 0.0
 
     # -- the candidate generator -----------------------------------------------------------
     @contextlib.contextmanager
     def installed(self):
+        """For the generate() call: Hugging Face's candidate generator set and watched (a
+        models/ loop asks this object itself); the call's summary into the report after."""
+        try:
+            if self.kind == "mtp":
+                yield self
+            else:
+                with self._candidate_generator():
+                    yield self
+        finally:
+            if self.steps:
+                a = self.acceptance
+                self.opt.report.speculation.append({
+                    "when": "end of call", "drafter": self.kind, "batch": 1, "draft_length": self.k,
+                    "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
+                    "why": f"{self.steps} verify steps; drafted lengths (length: steps) {dict(sorted(self.drafted.items()))}",
+                    "drafted": dict(self.drafted)})
+
+    @contextlib.contextmanager
+    def _candidate_generator(self):
         """Hand Hugging Face's assisted decoding a candidate generator whose draft length is
         this object's, and watch it. Wraps the model's `_get_candidate_generator` for the
         call (the instance attribute, as the forward is installed)."""
@@ -176,16 +226,9 @@ class Speculation:
 
         model.__dict__["_get_candidate_generator"] = get_candidate_generator
         try:
-            yield self
+            yield
         finally:
             model.__dict__.pop("_get_candidate_generator", None)
-            if self.steps:
-                a = self.acceptance
-                self.opt.report.speculation.append({
-                    "when": "end of call", "drafter": self.kind, "batch": 1, "draft_length": self.k,
-                    "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
-                    "why": f"{self.steps} verify steps; drafted lengths (length: steps) {dict(sorted(self.drafted.items()))}",
-                    "drafted": dict(self.drafted)})
 
     def _attach(self, gen) -> None:
         if not hasattr(gen, self._length_attr(gen)):
@@ -199,8 +242,7 @@ class Speculation:
         get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
 
         def timed_get_candidates(input_ids, *args, **kwargs):
-            self._step_start = time.perf_counter()
-            self._step_forwards, self._verify, self._compiled = 0.0, None, False
+            self._begin_step()
             self.in_draft = True
             try:
                 out = get_candidates(input_ids, *args, **kwargs)
@@ -222,7 +264,8 @@ class Speculation:
         return "num_output_tokens" if hasattr(gen, "num_output_tokens") else "num_assistant_tokens"
 
     def _set(self, k: int) -> None:
-        setattr(self.generator, self._length_attr(self.generator), k)
+        if self.generator is not None:  # Hugging Face's; a models/ loop asks draft_length()
+            setattr(self.generator, self._length_attr(self.generator), k)
 
     # -- measuring and choosing --------------------------------------------------------------
     def _after_verify(self, matched: int) -> None:
@@ -234,11 +277,11 @@ class Speculation:
         wall = time.perf_counter() - self._step_start
         m = self.measured
         # a step that compiled a graph says nothing about the next ones; nor does a call's first
-        # step, whose drafting holds the drafter's prefill of the prompt (and the target's
-        # forward is the prompt's prefill, not a verify)
-        if not self._compiled and self._verify is not None:
+        # step, whose drafting holds the drafter's pass over the prompt (with Hugging Face the
+        # target's forward is the prompt's prefill too, not a verify)
+        if not self._compiled and self._verify is not None and self.steps > 1:
             m.verify.setdefault(self._verify[0], _Mean()).add(self._verify[1])
-            if self.kind == "assistant":
+            if self.drafts_cost:
                 if drafted:
                     m.draft_per_token.add(self._draft_seconds, drafted)
                 m.rest.add(max(0.0, wall - self._draft_seconds - self._step_forwards))
@@ -263,7 +306,7 @@ class Speculation:
 
     def _draft_seconds_per_token(self) -> float:
         measured = self.measured.draft_per_token.value
-        if measured is not None or self.kind != "assistant":
+        if measured is not None or not self.drafts_cost:
             return measured or 0.0
         if self._drafter_shape is None:
             return self._verify_seconds(1)  # no shape: as costly as the target's step
@@ -273,7 +316,7 @@ class Speculation:
     def _hopeless(self, rate: float, rest: float, per_token: float) -> bool:
         """Whether no draft length pays even with the verify as cheap as one decode step (the
         best case for speculation), by what is measured so far: probing can stop."""
-        if not (self.measured.draft_per_token.count or self.kind != "assistant") or not self.steps:
+        if not (self.measured.draft_per_token.count or not self.drafts_cost) or not self.steps:
             return False
         flat = self._verify_seconds(1) + rest
         return planner.best_draft_length(rate, lambda n: flat, lambda k: k * per_token, self.max_draft)[0] == 0
@@ -301,7 +344,7 @@ class Speculation:
             src = (f"measured at {lengths} new tokens" if lengths else "predicted by the cost model, not measured")
             why = (f"{acc:.2f} tokens per {step * 1e3:.2f} ms step vs 1 per {base * 1e3:.2f} ms without a draft "
                    f"(verify {src}; drafting {per_token * 1e3:.2f} ms/token "
-                   f"{'measured' if self.measured.draft_per_token.count or self.kind != 'assistant' else 'predicted'}"
+                   f"{'measured' if self.measured.draft_per_token.count or not self.drafts_cost else 'predicted'}"
                    f"; the rest of a step {rest * 1e3:.2f} ms measured)")
             if k == 0:
                 why = "speculation off: " + why
@@ -324,17 +367,41 @@ def forget(opt) -> None:
     _STATS.pop(opt, None)
 
 
-def _tokens(kwargs) -> int:
-    ids = kwargs.get("input_ids")
-    return ids.shape[-1] if isinstance(ids, torch.Tensor) else 1
+def _mtp(model):
+    """A models/ model's MTP drafter module, where its generate() takes `speculate=`."""
+    import inspect
+
+    mtp = getattr(model, "mtp", None)
+    if not isinstance(mtp, torch.nn.Module):
+        return None
+    try:
+        return mtp if "speculate" in inspect.signature(type(model).generate).parameters else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _optimized_drafter(opt, model):
+    """`model` optimized the way `opt` was (target, passes, lowering), kept on the model itself
+    (a weak map's value would keep its key alive) while it lives."""
+    from metainfer.api import optimize
+
+    b = opt._backend
+    drafter = model.__dict__.get(_DRAFTER_ATTR)
+    if drafter is None or drafter.target != opt.target or drafter._backend.lowering != b.lowering:
+        drafter = optimize(model, b.target, passes=b.passes if b.explicit else None, disable=tuple(b.disabled),
+                           lowering=b.lowering, pass_options=b.options or None)
+        model.__dict__[_DRAFTER_ATTR] = drafter
+    return drafter
 
 
 def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
-    """The Speculation for a generate() call whose kwargs ask for assisted generation (an
-    `assistant_model`, or `prompt_lookup_num_tokens`), None otherwise. An assistant that is a
-    plain model is optimized for the same target first (kept while it lives); the kwargs are
-    edited for Hugging Face (the assistant's model, not its wrapper)."""
-    from metainfer.api import OptimizedModel, optimize
+    """The Speculation for a generate() call that speculates, None otherwise: Hugging Face's
+    assisted generation (`assistant_model`, or `prompt_lookup_num_tokens` in the kwargs), or a
+    models/ model with MTP layers (unless draft_length is 0). A drafter that is a plain model
+    (an assistant, the MTP layers) is optimized as the target was first (kept while it
+    lives); the kwargs are edited for the engine (Hugging Face: the assistant's model, not its
+    wrapper; a models/ loop: `speculate=` this object)."""
+    from metainfer.api import OptimizedModel
 
     configs = [c for c in (kwargs.get("generation_config"), getattr(opt.model, "generation_config", None)) if c is not None]
     assistant = kwargs.get("assistant_model")
@@ -345,10 +412,20 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
                                      or draft_length < 0):
         raise ValueError(f"draft_length must be a non-negative integer (or None: metainfer chooses), "
                          f"got {draft_length!r}")
+    mtp = _mtp(opt.model)
+    if assistant is None and lookup is None and mtp is not None:
+        if "speculate" in kwargs:
+            raise ValueError("metainfer drives the MTP drafts itself: fix their length with draft_length= "
+                             "(0: no speculation), not speculate=")
+        if draft_length == 0:
+            return None
+        spec = Speculation(opt, "mtp", draft_length, planner.MAX_DRAFT, drafter=_optimized_drafter(opt, mtp))
+        kwargs["speculate"] = spec
+        return spec
     if assistant is None and lookup is None:
         if draft_length is not None:
             raise ValueError("draft_length= applies to speculative decoding: pass assistant_model= or "
-                             "prompt_lookup_num_tokens= too")
+                             "prompt_lookup_num_tokens= too (or use a model with MTP layers)")
         return None
     if assistant is not None and lookup is not None:
         raise ValueError("pass either assistant_model= or prompt_lookup_num_tokens=, not both")
@@ -363,11 +440,8 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
             drafter = opt
         elif isinstance(assistant, OptimizedModel):
             drafter = assistant
-        else:  # kept on the drafter itself (a weak map's value would keep its key alive)
-            drafter = assistant.__dict__.get(_DRAFTER_ATTR)
-            if drafter is None or drafter.target != opt.target:
-                drafter = optimize(assistant, opt.target)
-                assistant.__dict__[_DRAFTER_ATTR] = drafter
+        else:
+            drafter = _optimized_drafter(opt, assistant)
         kwargs["assistant_model"] = drafter.model
         kind, cap = "assistant", planner.MAX_DRAFT
     else:

@@ -19,6 +19,9 @@ the open. This is the code metainfer's DeepSeek passes are meant to find:
 - FP8: with `fp8=True` every projection and expert weight is float8_e4m3fn with a
   `weight_scale_inv` per block of `quant_block` x `quant_block`, used through the fallback
   "dequantise the weight to the activation dtype, then F.linear".
+- MTP (multi-token prediction, `n_mtp_layers`, HF's `num_nextn_predict_layers`): layers that
+  predict one token further from the main model's hidden state and the next token, used by
+  `generate(..., speculate=)` as the drafter of greedy speculative decoding.
 
 Configs are data: tiny ones for tests, real-size shapes (DeepSeek-V3 671B, a V3.2 / V4-Flash
 -like shape) for planning; the real ones are far too large to build here.
@@ -70,6 +73,8 @@ class DeepSeekConfig:
     # "eager" (matmul/softmax/matmul) or "sdpa" (V zero-padded to the query head dim, as ports
     # to kernels that need one head dim write it)
     attention: str = "eager"
+    # multi-token-prediction layers (num_nextn_predict_layers): drafters for speculative decoding
+    n_mtp_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -91,6 +96,8 @@ class DeepSeekConfig:
             raise ValueError(f"attention must be 'eager' or 'sdpa', got {self.attention!r}")
         if self.quant_block < 16 or self.quant_block & (self.quant_block - 1):
             raise ValueError(f"quant_block must be a power of two >= 16, got {self.quant_block}")
+        if self.n_mtp_layers < 0:
+            raise ValueError(f"n_mtp_layers must be >= 0, got {self.n_mtp_layers}")
 
 
 _TINY = dict(vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_dense_layers=1, n_heads=4,
@@ -107,10 +114,10 @@ CONFIGS = {
     "deepseek-v32-tiny-fp8": DeepSeekConfig(**_TINY, index_n_heads=2, index_head_dim=16, index_topk=8,
                                             fp8=True, quant_block=32),
     # real shapes, for planning; too big to build here.
-    # DeepSeek-V3 671B (config.json of deepseek-ai/DeepSeek-V3), FP8 128x128 blocks
-    "deepseek-v3": DeepSeekConfig(fp8=True),
+    # DeepSeek-V3 671B (config.json of deepseek-ai/DeepSeek-V3), FP8 128x128 blocks, one MTP layer
+    "deepseek-v3": DeepSeekConfig(fp8=True, n_mtp_layers=1),
     # V3.2-Exp: V3's shape plus the DSA indexer (64 heads of 128, top-2048)
-    "deepseek-v32": DeepSeekConfig(fp8=True, index_n_heads=64, index_head_dim=128, index_topk=2048),
+    "deepseek-v32": DeepSeekConfig(fp8=True, index_n_heads=64, index_head_dim=128, index_topk=2048, n_mtp_layers=1),
     # V4-Flash-like: transformers' DeepseekV4Config defaults (hidden 4096, 43 layers, 64 heads,
     # q_lora 1024, 256 experts top-6 of 2048, indexer 64x128 top-512, 1M context) expressed in
     # this V3.2 architecture (V4's compressed attention and hyper-connections are not modelled)
@@ -357,11 +364,83 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def rope(cfg: DeepSeekConfig, start: int, end: int, device):
+    """cos, sin (S, P/2), float32, of positions start..end-1."""
+    d, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def causal_mask(s: int, past: int, device) -> torch.Tensor | None:
+    """(S, past + S) additive mask, None for one query: query i (position past + i) keeps key j
+    iff j <= past + i."""
+    if s == 1:
+        return None
+    return torch.full((s, past + s), float("-inf"), device=device).triu_(past + 1)
+
+
+def check_cache(cfg: DeepSeekConfig, attn: MLA, b: int, s: int, start_pos: int | None) -> None:
+    past = 0 if start_pos is None else start_pos
+    if past + s > cfg.max_seq_len:
+        raise ValueError(f"sequence length {past + s} exceeds max_seq_len {cfg.max_seq_len}")
+    if start_pos is not None:
+        cache = attn.kv_cache
+        if cache is None:
+            raise ValueError("start_pos given but no cache: call setup_cache(batch, max_len) first")
+        if b > cache.shape[0] or past + s > cache.shape[1]:
+            raise ValueError(f"{b} x {past + s} tokens do not fit the cache of {cache.shape[0]} x "
+                             f"{cache.shape[1]}; call setup_cache again")
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3 report, section 2.2): at position i it
+    reads the previous depth's hidden state h_i and the token t_{i+1}, and predicts t_{i+2}:
+    x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), then one decoder block with its own cache;
+    logits through the shared head after this layer's norm."""
+
+    def __init__(self, cfg: DeepSeekConfig):
+        super().__init__()
+        self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = Linear(2 * cfg.dim, cfg.dim)
+        self.block = Block(cfg, cfg.n_layers)  # numbered after the main layers: MoE unless all are dense
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class MTP(nn.Module):
+    """The MTP layers, sharing the main model's embedding and head; a module of its own so
+    that a draft step is one call (metainfer compiles and times it as the drafter)."""
+
+    def __init__(self, cfg: DeepSeekConfig, embed: nn.Embedding, head: nn.Linear):
+        super().__init__()
+        self.config = cfg
+        self.embed, self.head = embed, head  # the main model's (shared, as DeepSeek-V3 ties them)
+        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.n_mtp_layers))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, start_pos: int | None = None,
+                depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, S, dim) at positions start_pos.., tokens (B, S) the token after each ->
+        (logits (B, S, vocab) for the token after those, the layer's hidden (B, S, dim))."""
+        if not 0 <= depth < len(self.layers):
+            raise ValueError(f"MTP depth {depth} not in 0..{len(self.layers) - 1}")
+        layer = self.layers[depth]
+        b, s = tokens.shape
+        check_cache(self.config, layer.block.attn, b, s, start_pos)
+        past = 0 if start_pos is None else start_pos
+        x = layer.eh_proj(torch.cat([layer.enorm(self.embed(tokens)), layer.hnorm(hidden)], dim=-1))
+        cos, sin = rope(self.config, past, past + s, tokens.device)
+        x = layer.block(x, cos, sin, start_pos, causal_mask(s, past, tokens.device))
+        return self.head(layer.norm(x)), x
+
+
 class DeepSeek(nn.Module):
     # tensor parallelism (metainfer.distributed): MLA heads (q_b, kv_b, o) and the dense and
     # shared-expert MLPs split; the latent projections and router stay whole on every rank;
     # routed experts stay whole too, or are spread over the ranks (MoE.shard_experts) when
-    # expert parallelism is on
+    # expert parallelism is on. MTP layers are not in the plan: whole on every rank.
     TP_PLAN = {"layers.*.attn.wq_b": "colwise", "layers.*.attn.wkv_b": "colwise", "layers.*.attn.wo": "rowwise",
                "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise", "layers.*.ffn.w2": "rowwise",
                "layers.*.ffn.shared_experts.w1": "colwise", "layers.*.ffn.shared_experts.w3": "colwise",
@@ -374,58 +453,61 @@ class DeepSeek(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # built last: the main model's weights are the same for a seed with or without MTP
+        self.mtp = MTP(cfg, self.embed, self.head) if cfg.n_mtp_layers else None
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding (Hugging Face's name for it): callers read the vocabulary here."""
         return self.embed
 
     def rope(self, start: int, end: int, device):
-        d, theta = self.config.qk_rope_head_dim, self.config.rope_theta
-        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        freqs = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), inv_freq)
-        return freqs.cos(), freqs.sin()  # (S, P/2), float32
+        return rope(self.config, start, end, device)
 
     def setup_cache(self, batch: int, max_len: int) -> None:
-        """Allocate each layer's latent cache (and indexer key cache) for `batch` x `max_len`."""
+        """Allocate each layer's latent cache (and indexer key cache) for `batch` x `max_len`,
+        the MTP layers' too."""
         cfg = self.config
         if not 0 < max_len <= cfg.max_seq_len:
             raise ValueError(f"cache length {max_len} must be in 1..max_seq_len ({cfg.max_seq_len})")
         dtype, device = self.embed.weight.dtype, self.embed.weight.device
-        for layer in self.layers:
+        blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
+        for layer in blocks:
             a = layer.attn
             a.kv_cache = torch.zeros(batch, max_len, cfg.kv_lora_rank, dtype=dtype, device=device)
             a.pe_cache = torch.zeros(batch, max_len, cfg.qk_rope_head_dim, dtype=dtype, device=device)
             if a.indexer is not None:
                 a.indexer.k_cache = torch.zeros(batch, max_len, cfg.index_head_dim, dtype=dtype, device=device)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
-        """Logits (B, S, vocab). With `start_pos` the tokens continue the cached sequence."""
+    def forward(self, tokens: torch.Tensor, start_pos: int | None = None, return_hidden: bool = False):
+        """Logits (B, S, vocab). With `start_pos` the tokens continue the cached sequence.
+        `return_hidden`: (logits, the final-normed hidden state the head reads, (B, S, dim)),
+        what the MTP layers read."""
         b, s = tokens.shape
+        check_cache(self.config, self.layers[0].attn, b, s, start_pos)
         past = 0 if start_pos is None else start_pos
-        if past + s > self.config.max_seq_len:
-            raise ValueError(f"sequence length {past + s} exceeds max_seq_len {self.config.max_seq_len}")
-        if start_pos is not None:
-            cache = self.layers[0].attn.kv_cache
-            if cache is None:
-                raise ValueError("start_pos given but no cache: call setup_cache(batch, max_len) first")
-            if b > cache.shape[0] or past + s > cache.shape[1]:
-                raise ValueError(f"{b} x {past + s} tokens do not fit the cache of {cache.shape[0]} x "
-                                 f"{cache.shape[1]}; call setup_cache again")
         x = self.embed(tokens)
         cos, sin = self.rope(past, past + s, tokens.device)
-        mask = None
-        if s > 1:  # query i (position past + i) keeps key j iff j <= past + i
-            mask = torch.full((s, past + s), float("-inf"), device=tokens.device).triu_(past + 1)
+        mask = causal_mask(s, past, tokens.device)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        return (self.head(x), x) if return_hidden else self.head(x)
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding with the latent cache: (B, S) prompt -> (B, S + max_new_tokens)."""
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, speculate=None) -> torch.Tensor:
+        """Greedy decoding with the latent cache: (B, S) prompt -> (B, S + max_new_tokens).
+
+        `speculate`: speculative decoding with the MTP layers as the drafter (batch 1): an int,
+        the tokens drafted per step, or a policy, an object with `draft_length() -> int`
+        (asked before each draft) and `verified(drafted, accepted)` (told after each verify).
+        The tokens are the same as without: a draft is kept only where the main model's own
+        greedy choice agrees."""
         b, s = prompt.shape
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        policy = self._policy(speculate, b)
+        if policy is not None:
+            return self._generate_speculative(prompt, max_new_tokens, policy)
         self.setup_cache(b, s + max_new_tokens)
         logits = self(prompt, start_pos=0)
         out = [prompt]
@@ -435,6 +517,92 @@ class DeepSeek(nn.Module):
             if i + 1 < max_new_tokens:
                 logits = self(tok, start_pos=s + i)
         return torch.cat(out, dim=1)
+
+    def _policy(self, speculate, batch: int):
+        if speculate is None or (isinstance(speculate, int) and not isinstance(speculate, bool) and speculate == 0):
+            return None
+        if isinstance(speculate, int) and not isinstance(speculate, bool):
+            if speculate < 0:
+                raise ValueError(f"speculate must be a draft length >= 0 or a policy, got {speculate}")
+            policy = _FixedDraft(speculate)
+        elif callable(getattr(speculate, "draft_length", None)) and callable(getattr(speculate, "verified", None)):
+            policy = speculate
+        else:
+            raise TypeError("speculate must be an int (tokens drafted per step) or an object with draft_length() "
+                            f"and verified(drafted, accepted), not {type(speculate).__name__}")
+        if self.mtp is None:
+            raise ValueError("speculative decoding drafts with the MTP layers, and this config has none "
+                             "(n_mtp_layers=0)")
+        if batch != 1:
+            raise ValueError(f"speculative decoding runs one sequence at a time: batch 1, got {batch}")
+        return policy
+
+    def _generate_speculative(self, prompt: torch.Tensor, max_new_tokens: int, policy) -> torch.Tensor:
+        """Each step verifies [last token, drafts] in one forward at positions pos..pos+k and
+        keeps the drafts up to the first the model disagrees with, then the model's own next
+        token. Cache entries past the kept tokens are overwritten by the next step before they
+        are read (every forward writes its positions before attending), so nothing rolls back."""
+        s = prompt.shape[1]
+        self.setup_cache(1, s + max_new_tokens)
+        logits, hidden = self(prompt, start_pos=0, return_hidden=True)
+        tok = logits[:, -1:].argmax(-1)
+        out, new = [prompt, tok], 1
+        if new < max_new_tokens:  # the MTP reads the prompt's hidden states with each next token
+            drafts = self._draft(hidden, torch.cat([prompt[:, 1:], tok], 1), 0,
+                                 _draft_length(policy, max_new_tokens - new))
+        pos = s  # tok's position: not in the cache yet
+        while new < max_new_tokens:
+            k = drafts.shape[1]
+            logits, hidden = self(torch.cat([tok, drafts], 1), start_pos=pos, return_hidden=True)
+            best = logits.argmax(-1)  # (1, k + 1): the model's own choice after each token
+            m = int((drafts == best[:, :k]).cumprod(1).sum())  # leading drafts it agrees with
+            policy.verified(k, m)
+            kept = best[:, :m + 1]  # drafts 1..m (equal to best there) and the model's next token
+            out.append(kept)
+            new += m + 1
+            if new >= max_new_tokens:
+                break
+            # the MTP continues over the kept positions pos..pos+m, each with the token after it
+            drafts = self._draft(hidden[:, :m + 1], kept, pos, _draft_length(policy, max_new_tokens - new))
+            tok, pos = kept[:, -1:], pos + m + 1
+        return torch.cat(out, 1)
+
+    def _draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
+        """k draft tokens (1, k) after next_tokens[:, -1]: the first MTP layer over the given
+        positions start.., then each further draft from the previous one at the next position
+        (MTP layer j for draft j + 1; past the last layer the last is reused, as vLLM does).
+        A step drafting 0 tokens skips the MTP: its cache keeps a hole there, which may make
+        later drafts worse but never changes the output."""
+        if k == 0:
+            return next_tokens[:, :0]
+        logits, h = self.mtp(hidden, next_tokens, start_pos=start, depth=0)
+        drafts = [logits[:, -1:].argmax(-1)]
+        pos = start + next_tokens.shape[1] - 1
+        for j in range(1, k):
+            logits, h = self.mtp(h[:, -1:], drafts[-1], start_pos=pos + j, depth=min(j, len(self.mtp.layers) - 1))
+            drafts.append(logits.argmax(-1))
+        return torch.cat(drafts, 1)
+
+
+class _FixedDraft:
+    """A fixed draft length, as a speculate= policy."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def draft_length(self) -> int:
+        return self.k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def _draft_length(policy, remaining: int) -> int:
+    """The policy's draft length, capped so that a step cannot pass the tokens asked for."""
+    k = policy.draft_length()
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"a draft length must be an integer >= 0, got {k!r} from {type(policy).__name__}")
+    return min(k, remaining - 1)
 
 
 def quantize_fp8_(model: DeepSeek, block: int) -> DeepSeek:

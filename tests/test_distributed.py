@@ -86,6 +86,19 @@ def expert_parallel_run(rank, world, experts=8, groups=4):
             opt.report.matches("select_collectives"), opt.report.notes)
 
 
+def mtp_speculation_run(rank, world):
+    """models/ DeepSeek drafting with its MTP layer under tp + ep: every rank runs the same
+    loop (replicated logits: the same accepted drafts everywhere, so the same collectives)."""
+    model = models.build("deepseek-tiny", n_mtp_layers=1)
+    ids = models.example_inputs("deepseek-tiny", seq=12)[0]
+    greedy = model.generate(ids, 12)
+    opt = metainfer.optimize(model, "pcie8", emulate=True, lowering="aot_eager", expert_parallel=True)
+    out = opt.generate(ids, 12, draft_length=2)
+    local = [m.w1.shape[0] for m in model.mtp.modules() if hasattr(m, "shard_experts")]
+    phases = [s.phase for s in model.mtp.__dict__["_metainfer_drafter"].report.sections]
+    return torch.equal(out, greedy), local, phases
+
+
 def degrees_run(rank, world, tensor_parallel):
     """optimize() with the degree left to the planner (None) or fixed; each data-parallel
     replica gets its own inputs (the ranks of one tensor-parallel group the same ones)."""
@@ -542,6 +555,14 @@ def test_expert_parallel_deepseek(world):
         assert any("expert parallel over" in n for n in notes)
     if world == 4:  # 2 layers x attention + (dense MLP | shared experts), plus the routed experts' sum
         assert results[0][3] == 5
+
+
+@pytest.mark.slow  # ~1 min; the MTP loop's single-process tests are in the default tier (tests/test_mtp.py)
+def test_mtp_speculation_under_tensor_and_expert_parallelism():
+    for same, local, phases in multirank.run(mtp_speculation_run, 2, timeout_s=TIMEOUT_S):
+        assert same, "greedy tokens equal the unsharded model's"
+        assert local == [4], "the MTP layer's routed experts are spread like the main layers'"
+        assert phases and set(phases) == {"draft"}
 
 
 def test_experts_that_do_not_split_are_refused():

@@ -13,7 +13,7 @@ And models/ DeepSeek (tiny shape, --ds-layers layers) drafting with its MTP laye
 - "mtp distilled": the MTP layer trained here for --distil-steps Adam steps to predict the
   model's own greedy token two ahead (self-distillation on its greedy continuations of 1024
   random prompts; the main model untouched), so that some of its drafts are right (a random
-  model's greedy choice is hard to predict: about one in five on a new prompt).
+  model's greedy choice is hard to predict: about one in four on a new prompt).
 Each row runs draft lengths 0, 1, 2, 3, 5, 7 fixed (`draft_length=`) and metainfer's choice
 (`draft_length=None`, its acceptance statistics reset before every run so each run decides
 from scratch), side by side in one process; tokens/s is the median over the repeats after a

@@ -73,7 +73,8 @@ class OptimizedModel:
         if getattr(self.model, "generation_config", None) is not None:
             # Hugging Face would wrap the forward in its own torch.compile on GPUs
             kwargs.setdefault("disable_compile", True)
-        spec = speculative.prepare(self, kwargs, draft_length)
+        spec = speculative.prepare(self, args, kwargs, draft_length,
+                                   batch=ids.shape[0] if ids is not None and ids.dim() > 1 else 1)
         if spec is None:
             steps = itertools.count()
             with self._installed(lambda kw, n: "prefill" if next(steps) == 0 else "decode"):
@@ -130,6 +131,8 @@ class OptimizedModel:
                 except torch._dynamo.exc.TorchDynamoException as e:
                     raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
             if observe is not None:
+                if self.target.device.kind == "cuda":  # launches return early: time the work
+                    torch.cuda.synchronize()
                 observe(name, tokens, time.perf_counter() - start, len(self.report.sections) != graphs)
             finish()
             for note in notes:

@@ -140,8 +140,9 @@ class Speculation:
         self._target_shape = _shape(opt.model)
         self._drafter_shape = _shape(drafter.model) if drafter is not None else None
         if kind == "mtp" and self._target_shape is not None:  # one decoder layer (+ the shared head)
-            self._drafter_shape = dataclasses.replace(self._target_shape, name=f"{self._target_shape.name} MTP",
-                                                      layers=1, dense_layers=0)
+            t = self._target_shape  # the MTP block is numbered after the main layers: dense only if all are
+            self._drafter_shape = dataclasses.replace(t, name=f"{t.name} MTP", layers=1,
+                                                      dense_layers=int(t.dense_layers > t.layers))
 
     # -- labels for the target's forwards ------------------------------------------------
     def phase(self, kwargs, tokens: int) -> str:
@@ -367,17 +368,19 @@ def forget(opt) -> None:
     _STATS.pop(opt, None)
 
 
-def _mtp(model):
-    """A models/ model's MTP drafter module, where its generate() takes `speculate=`."""
+def _mtp(model, args, kwargs):
+    """(a models/ model's MTP drafter module, where its generate() takes `speculate=`, or None;
+    whether this call passes speculate= itself)."""
     import inspect
 
     mtp = getattr(model, "mtp", None)
     if not isinstance(mtp, torch.nn.Module):
-        return None
+        return None, False
     try:
-        return mtp if "speculate" in inspect.signature(type(model).generate).parameters else None
+        bound = inspect.signature(type(model).generate).bind(model, *args, **kwargs)
     except (AttributeError, TypeError, ValueError):
-        return None
+        return None, False
+    return (mtp if "speculate" in bound.signature.parameters else None), "speculate" in bound.arguments
 
 
 def _optimized_drafter(opt, model):
@@ -394,13 +397,14 @@ def _optimized_drafter(opt, model):
     return drafter
 
 
-def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
+def prepare(opt, args: tuple, kwargs: dict, draft_length, batch: int = 1) -> Speculation | None:
     """The Speculation for a generate() call that speculates, None otherwise: Hugging Face's
     assisted generation (`assistant_model`, or `prompt_lookup_num_tokens` in the kwargs), or a
     models/ model with MTP layers (unless draft_length is 0). A drafter that is a plain model
     (an assistant, the MTP layers) is optimized as the target was first (kept while it
     lives); the kwargs are edited for the engine (Hugging Face: the assistant's model, not its
-    wrapper; a models/ loop: `speculate=` this object)."""
+    wrapper; a models/ loop: `speculate=` this object). `batch`: the prompt's rows; the MTP loop
+    takes one, so a batch runs the plain loop unless a draft length was asked for."""
     from metainfer.api import OptimizedModel
 
     configs = [c for c in (kwargs.get("generation_config"), getattr(opt.model, "generation_config", None)) if c is not None]
@@ -412,12 +416,20 @@ def prepare(opt, kwargs: dict, draft_length) -> Speculation | None:
                                      or draft_length < 0):
         raise ValueError(f"draft_length must be a non-negative integer (or None: metainfer chooses), "
                          f"got {draft_length!r}")
-    mtp = _mtp(opt.model)
+    mtp, own = _mtp(opt.model, args, kwargs)
     if assistant is None and lookup is None and mtp is not None:
-        if "speculate" in kwargs:
+        if own:
             raise ValueError("metainfer drives the MTP drafts itself: fix their length with draft_length= "
                              "(0: no speculation), not speculate=")
         if draft_length == 0:
+            return None
+        if batch > 1:
+            if draft_length is not None:
+                raise ValueError(f"MTP speculative decoding takes one sequence, the prompt has {batch}: pass "
+                                 "draft_length=0 (or leave it out) for the plain loop")
+            note = "generate: a batch of prompts runs without MTP speculation (its loop takes one sequence)"
+            if note not in opt.report.notes:
+                opt.report.notes.append(note)
             return None
         spec = Speculation(opt, "mtp", draft_length, planner.MAX_DRAFT, drafter=_optimized_drafter(opt, mtp))
         kwargs["speculate"] = spec

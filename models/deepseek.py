@@ -540,48 +540,63 @@ class DeepSeek(nn.Module):
     def _generate_speculative(self, prompt: torch.Tensor, max_new_tokens: int, policy) -> torch.Tensor:
         """Each step verifies [last token, drafts] in one forward at positions pos..pos+k and
         keeps the drafts up to the first the model disagrees with, then the model's own next
-        token. Cache entries past the kept tokens are overwritten by the next step before they
-        are read (every forward writes its positions before attending), so nothing rolls back."""
+        token: the tokens of plain greedy decoding (up to rounding: a forward over k + 1 tokens
+        and one over 1 may round differently). Cache entries past the kept tokens are
+        overwritten by the next step before they are read (every forward writes its positions
+        before attending), so nothing rolls back. The last token needs no draft: that step
+        does not ask the policy."""
         s = prompt.shape[1]
         self.setup_cache(1, s + max_new_tokens)
         logits, hidden = self(prompt, start_pos=0, return_hidden=True)
         tok = logits[:, -1:].argmax(-1)
-        out, new = [prompt, tok], 1
-        if new < max_new_tokens:  # the MTP reads the prompt's hidden states with each next token
-            drafts = self._draft(hidden, torch.cat([prompt[:, 1:], tok], 1), 0,
-                                 _draft_length(policy, max_new_tokens - new))
-        pos = s  # tok's position: not in the cache yet
+        out, new, pos = [prompt, tok], 1, 0
+        kept, carry = torch.cat([prompt[:, 1:], tok], 1), None  # the prompt's next tokens
         while new < max_new_tokens:
-            k = drafts.shape[1]
+            # the MTP continues over the positions just kept (pos.., each with the token after it)
+            k = _draft_length(policy, max_new_tokens - new) if max_new_tokens - new > 1 else 0
+            drafts, carry = self._draft(hidden, kept, pos, k, carry)
+            tok, pos = kept[:, -1:], pos + kept.shape[1]  # tok's position: not in the cache yet
             logits, hidden = self(torch.cat([tok, drafts], 1), start_pos=pos, return_hidden=True)
             best = logits.argmax(-1)  # (1, k + 1): the model's own choice after each token
             m = int((drafts == best[:, :k]).cumprod(1).sum())  # leading drafts it agrees with
-            policy.verified(k, m)
-            kept = best[:, :m + 1]  # drafts 1..m (equal to best there) and the model's next token
+            if max_new_tokens - new > 1:
+                policy.verified(k, m)
+            kept, hidden = best[:, :m + 1], hidden[:, :m + 1]  # drafts 1..m (= best there), its next token
             out.append(kept)
             new += m + 1
-            if new >= max_new_tokens:
-                break
-            # the MTP continues over the kept positions pos..pos+m, each with the token after it
-            drafts = self._draft(hidden[:, :m + 1], kept, pos, _draft_length(policy, max_new_tokens - new))
-            tok, pos = kept[:, -1:], pos + m + 1
         return torch.cat(out, 1)
 
-    def _draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
-        """k draft tokens (1, k) after next_tokens[:, -1]: the first MTP layer over the given
-        positions start.., then each further draft from the previous one at the next position
-        (MTP layer j for draft j + 1; past the last layer the last is reused, as vLLM does).
-        A step drafting 0 tokens skips the MTP: its cache keeps a hole there, which may make
-        later drafts worse but never changes the output."""
+    def _draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int, k: int, carry):
+        """(k draft tokens (1, k) after next_tokens[:, -1], the carry for the next call).
+
+        hidden: the main model's at positions start..start+L-1, next_tokens the token after
+        each. MTP layer 0 at position i reads (h_i, t_{i+1}); layer j > 0 reads layer j-1's
+        output at i - 1 and t_{i+1} (DeepSeek-V3's chaining, each layer's positions shifted by
+        its depth: attention is relative, so the same). Every layer runs over the new
+        positions, and layer j j positions further on its way from drafts 1..j, whose entries
+        the next call overwrites; so each layer's cache is whole. Layer j gives draft j + 1;
+        further drafts chain the last layer one position at a time. `carry`: each layer's
+        output at position start - 1 (zeros before position 0). A step drafting 0 tokens
+        skips the MTP: its caches keep holes there (later drafts may be worse; outputs never
+        change)."""
         if k == 0:
-            return next_tokens[:, :0]
-        logits, h = self.mtp(hidden, next_tokens, start_pos=start, depth=0)
-        drafts = [logits[:, -1:].argmax(-1)]
-        pos = start + next_tokens.shape[1] - 1
-        for j in range(1, k):
-            logits, h = self.mtp(h[:, -1:], drafts[-1], start_pos=pos + j, depth=min(j, len(self.mtp.layers) - 1))
+            return next_tokens[:, :0], None
+        layers = len(self.mtp.layers)
+        last = next_tokens.shape[1] - 1
+        drafts, outs, tokens = [], [], next_tokens
+        for j in range(layers):
+            if j:
+                before = carry[j - 1] if carry is not None else torch.zeros_like(h[:, :1])
+                hidden, tokens = torch.cat([before, h], 1), torch.cat([tokens, drafts[-1]], 1)
+            logits, h = self.mtp(hidden, tokens, start_pos=start, depth=j)
+            outs.append(h[:, last:last + 1])  # at start + L - 1: final, the next call's carry
+            drafts.append(logits[:, -1:].argmax(-1))
+        pos = start + tokens.shape[1] - 1
+        while len(drafts) < k:
+            pos += 1
+            logits, h = self.mtp(h[:, -1:], drafts[-1], start_pos=pos, depth=layers - 1)
             drafts.append(logits.argmax(-1))
-        return torch.cat(drafts, 1)
+        return torch.cat(drafts[:k], 1), outs
 
 
 class _FixedDraft:

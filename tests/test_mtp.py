@@ -49,8 +49,9 @@ def test_mtp_speculation_never_changes_greedy_tokens(name, n_mtp, k):
         assert torch.equal(model.generate(ids, NEW, speculate=k), greedy)
         log = Log(k)
         assert torch.equal(model.generate(ids, NEW, speculate=log), greedy)
-        # every step yields its accepted drafts and one token of the model's own
-        assert sum(a + 1 for _, a in log.steps) == NEW - 1 and max(d for d, _ in log.steps) == k
+        # every step yields its accepted drafts and one token of the model's own; the prefill one
+        # token, and a last step for one token drafts nothing and is not reported
+        assert NEW - 2 <= sum(a + 1 for _, a in log.steps) <= NEW - 1 and max(d for d, _ in log.steps) == k
 
 
 def test_the_mtp_does_not_change_the_main_model():
@@ -58,55 +59,71 @@ def test_the_mtp_does_not_change_the_main_model():
     torch.testing.assert_close(build(n_mtp_layers=1)(ids), build(n_mtp_layers=0)(ids), rtol=0, atol=0)
 
 
-def test_accepted_drafts_keep_the_sequence(monkeypatch):
-    """Drafts read from the plain greedy answer, wrong at every position = 3 (mod 4): the loop
-    must keep exactly the leading right ones, and hand the MTP the kept tokens."""
-    model = build()
+def whole_sequence_mtp(model, seq):
+    """Each MTP layer's logits over the whole sequence at once, no cache: layer 0 at position i
+    reads (h_i, t_{i+1}); layer j reads layer j-1's output at i - 1 (zeros before 0) and t_{i+1}."""
+    with torch.no_grad():
+        _, hidden = model(seq[:, :-1], return_hidden=True)
+        out = []
+        for j in range(len(model.mtp.layers)):
+            if j:
+                hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+            logits, h = model.mtp(hidden, seq[:, 1:], depth=j)
+            out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize("n_mtp", [1, 3])
+def test_accepted_drafts_keep_the_sequence(monkeypatch, n_mtp):
+    """The MTP runs as usual, but the drafts it hands the verify are read from the plain greedy
+    answer, wrong at every position = 3 (mod 4): the loop must keep exactly the leading right
+    ones and hand the MTP the kept tokens; and every MTP pass, now over several kept positions,
+    computes what the MTP computes over the whole final sequence at once."""
+    model = build(n_mtp_layers=n_mtp)
     ids = prompt(model)
     s = ids.shape[1]
     greedy = model.generate(ids, NEW)
-    drafted = []
+    drafted, passes, kept = [], [], set()
+    real_draft = model._draft
 
-    def oracle(hidden, next_tokens, start, k):
+    def oracle(hidden, next_tokens, start, k, carry):
         last = start + next_tokens.shape[1]  # next_tokens hold positions start+1 .. last
         assert hidden.shape[1] == next_tokens.shape[1]
         assert torch.equal(next_tokens, greedy[:, start + 1:last + 1])  # the kept tokens, as generated
+        _, carry = real_draft(hidden, next_tokens, start, k, carry)
+        if k:  # positions start..last-1 are final now, in every layer
+            kept.update(range(start, last))
         positions = list(range(last + 1, last + 1 + k))
         drafts = greedy[:, last + 1:last + 1 + k].clone()
         for j, p in enumerate(positions):
             if p % 4 == 3:
                 drafts[0, j] = (drafts[0, j] + 1) % model.config.vocab_size
         drafted.append(positions)
-        return drafts
+        return drafts, carry
 
     monkeypatch.setattr(model, "_draft", oracle)
+    hook = model.mtp.register_forward_hook(lambda m, args, kwargs, out: passes.append(
+        (kwargs["start_pos"], kwargs["depth"], args[1], out[0])), with_kwargs=True)
     log = Log(3)
     assert torch.equal(model.generate(ids, NEW, speculate=log), greedy)
-    assert len(log.steps) == len(drafted)
+    hook.remove()
+    # a last step for one token drafts nothing and is not reported
+    assert len(drafted) - len(log.steps) in (0, 1) and not any(drafted[len(log.steps):])
     for (k, accepted), positions in zip(log.steps, drafted):
         assert k == len(positions)
         right = next((j for j, p in enumerate(positions) if p % 4 == 3), k)  # leading right drafts
         assert accepted == right, (positions, accepted)
     assert sum(a for _, a in log.steps) >= NEW // 2  # most drafts were right: the accepting path ran
     assert drafted[0][0] == s + 1  # the first draft follows the first generated token
-
-
-def test_mtp_drafts_are_the_mtp_over_the_whole_sequence():
-    """Each MTP pass in the loop, reading and writing its cache, computes what the MTP layer
-    computes over the whole final sequence at once (no cache)."""
-    model = build()
-    ids = prompt(model)
-    passes = []
-    hook = model.mtp.register_forward_hook(
-        lambda m, args, kwargs, out: passes.append((kwargs["start_pos"], kwargs["depth"], out[0])), with_kwargs=True)
-    seq = model.generate(ids, NEW, speculate=1)
-    hook.remove()
-    assert passes and all(depth == 0 for _, depth, _ in passes)
-    with torch.no_grad():
-        _, hidden = model(seq[:, :-1], return_hidden=True)
-        whole, _ = model.mtp(hidden, seq[:, 1:])
-    for start, _, logits in passes:
-        torch.testing.assert_close(logits, whole[:, start:start + logits.shape[1]], rtol=1e-4, atol=1e-4)
+    whole = whole_sequence_mtp(model, greedy)
+    checked = set()
+    for start, depth, tokens, logits in passes:
+        # a pass's positions whose tokens are the answer's (not a wrong draft) are final: compare those
+        n = next((i for i in range(tokens.shape[1]) if tokens[0, i] != greedy[0, start + i + 1]), tokens.shape[1])
+        torch.testing.assert_close(logits[:, :n], whole[depth][:, start:start + n], rtol=1e-4, atol=1e-4)
+        checked |= {(depth, start + i) for i in range(n)}
+    assert checked >= {(d, i) for d in range(n_mtp) for i in kept}  # every layer, every kept position
+    assert max(t.shape[1] for st, d, t, _ in passes if st > 0) > 1 + n_mtp  # passes over several kept positions
 
 
 def test_chained_drafts_use_the_layers_in_turn():
@@ -118,9 +135,9 @@ def test_chained_drafts_use_the_layers_in_turn():
         with_kwargs=True)
     model.generate(ids, 6, speculate=3)
     s = ids.shape[1]
-    # the prompt pass (depth 0 over positions 0..s-1), then drafts 2 and 3 one position further each,
-    # by layers 1 and 1 (the last, reused)
-    assert calls[:3] == [(0, 0, s), (s, 1, 1), (s + 1, 1, 1)]
+    # over the prompt: layer 0 at positions 0..s-1 (draft 1), layer 1 at 0..s (draft 2), then
+    # layer 1, the last, chained one position further (draft 3)
+    assert calls[:3] == [(0, 0, s), (0, 1, s + 1), (s + 1, 1, 1)]
 
 
 def test_speculate_errors():
@@ -203,8 +220,13 @@ def test_metainfer_mtp_arguments(optimized):
     assert len(opt.report.speculation) == before
     with pytest.raises(ValueError, match="draft_length="):
         opt.generate(ids, 4, speculate=2)
-    with pytest.raises(ValueError, match="batch 1"):
-        opt.generate(ids.repeat(2, 1), 4)
+    with pytest.raises(ValueError, match="draft_length="):
+        opt.generate(ids, 4, 2)  # speculate= given by position
+    batch = torch.cat([ids, prompt(model, seed=5)])  # the MTP loop takes one sequence: a batch runs the plain one
+    assert torch.equal(opt.generate(batch, 4), model.generate(batch, 4))
+    assert len(opt.report.speculation) == before and any("without MTP speculation" in n for n in opt.report.notes)
+    with pytest.raises(ValueError, match="draft_length=0"):
+        opt.generate(batch, 4, draft_length=2)
     plain = metainfer.optimize(build(n_mtp_layers=0), "cpu", lowering="aot_eager")
     with pytest.raises(ValueError, match="MTP layers"):
         plain.generate(ids, 4, draft_length=2)

@@ -414,7 +414,7 @@ class MTP(nn.Module):
     def __init__(self, cfg: DeepSeekConfig, embed: nn.Embedding, head: nn.Linear):
         super().__init__()
         self.config = cfg
-        self.embed, self.head = embed, head  # the main model's (shared, as DeepSeek-V3 ties them)
+        self.embed, self.head = embed, head  # the main model's: DeepSeek-V3 shares them with the MTP
         self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.n_mtp_layers))
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -460,9 +460,6 @@ class DeepSeek(nn.Module):
         """The token embedding (Hugging Face's name for it): callers read the vocabulary here."""
         return self.embed
 
-    def rope(self, start: int, end: int, device):
-        return rope(self.config, start, end, device)
-
     def setup_cache(self, batch: int, max_len: int) -> None:
         """Allocate each layer's latent cache (and indexer key cache) for `batch` x `max_len`,
         the MTP layers' too."""
@@ -486,7 +483,7 @@ class DeepSeek(nn.Module):
         check_cache(self.config, self.layers[0].attn, b, s, start_pos)
         past = 0 if start_pos is None else start_pos
         x = self.embed(tokens)
-        cos, sin = self.rope(past, past + s, tokens.device)
+        cos, sin = rope(self.config, past, past + s, tokens.device)
         mask = causal_mask(s, past, tokens.device)
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, mask)

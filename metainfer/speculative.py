@@ -40,7 +40,8 @@ import torch
 
 from metainfer import planner
 
-_STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # OptimizedModel -> drafter -> stats
+# OptimizedModel -> (draft model -> stats, weakly; prompt lookup or the target itself -> stats)
+_STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # draft lengths tried first, in turn, so that two verify lengths get measured: a draft model's
 # tokens cost time, so short; prompt lookup's are free, so long and half that
 PROBE = {"assistant": lambda cap: (1, 2), "mtp": lambda cap: (1, 2),
@@ -122,7 +123,8 @@ class Speculation:
         self.drafts_cost = kind != "prompt lookup"  # drafted tokens take forwards of a drafter
         # kept per drafter (its model; None: prompt lookup or the target itself) and batch size
         # (assisted generation: 1) across calls, dropped with the drafter
-        per_drafter = _STATS.setdefault(opt, weakref.WeakKeyDictionary() if drafter is not None else {})
+        by_model, by_name = _STATS.setdefault(opt, (weakref.WeakKeyDictionary(), {}))
+        per_drafter = by_model if drafter is not None else by_name
         key = drafter.model if drafter is not None else (kind, 1)
         self.acceptance, self.measured = per_drafter.setdefault(key, (Acceptance(), Measured()))
         self.generator = None
@@ -135,6 +137,7 @@ class Speculation:
         self._draft_seconds = 0.0
         self._verify = None  # (tokens, seconds) of this step's verify forward
         self._drafted = 0  # tokens the current step drafted
+        self._candidates = None  # and which (Hugging Face's candidate ids)
         self.drafted: dict[int, int] = {}  # drafted length -> steps, over this call
         self._compiled = False  # a graph was compiled during the current step: its times are not kept
         self._target_shape = _shape(opt.model)
@@ -251,11 +254,12 @@ class Speculation:
                 self.in_draft = False
             self._draft_seconds = time.perf_counter() - self._step_start
             self._drafted = out[0].shape[-1] - input_ids.shape[-1]
+            self._candidates = out[0][:, input_ids.shape[-1]:]
             return out
 
         def observed_update(input_ids, scores, num_matches):
             update(input_ids, scores, num_matches)
-            self._after_verify(int(num_matches))
+            self._after_verify(_greedy_matches(self._candidates, scores, int(num_matches)))
 
         gen.get_candidates, gen.update_candidate_strategy = timed_get_candidates, observed_update
         self._set(self._choose("before the first step"))
@@ -358,9 +362,20 @@ class Speculation:
         return k
 
 
+def _greedy_matches(candidates, scores, reported: int) -> int:
+    """Drafted tokens the verify agreed with: the leading candidates equal to the argmax of its
+    scores. Hugging Face reports fewer where it cut the step at an EOS or the length limit,
+    which is not a rejection of the drafts."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or scores.shape[1] != candidates.shape[-1] + 1:
+        return reported
+    agree = (candidates == scores[:, :-1].argmax(-1)).long().cumprod(-1)
+    return int(agree.sum(-1).min())
+
+
 def statistics(opt) -> list[tuple[Acceptance, Measured]]:
     """What `opt`'s speculative calls measured so far, one (acceptance, times) per drafter."""
-    return list(_STATS.get(opt, {}).values())
+    by_model, by_name = _STATS.get(opt, ({}, {}))
+    return list(by_model.values()) + list(by_name.values())
 
 
 def forget(opt) -> None:

@@ -3,11 +3,13 @@ verify and draft steps on metainfer's graphs and the draft length metainfer's. G
 equal plain greedy generate() in every case (speculation never changes outputs); the report
 labels verify and draft graphs and records every change of the draft length."""
 
+import gc
+
 import pytest
 import torch
 
 import metainfer
-from metainfer import planner
+from metainfer import planner, speculative
 from metainfer.speculative import Acceptance, Measured, _Mean
 from metainfer.testing import tiny_hf_model
 
@@ -83,6 +85,36 @@ def test_an_unrelated_drafter_is_switched_off_early(target):
     assert int(off[0]["when"].split()[-1]) <= 16  # a step yields >= 1 token: within the first 32 tokens
     assert off[0]["acceptance"] < 0.5 and "speculation off" in off[0]["why"]
     assert torch.equal(out[:, :greedy.shape[1]], greedy)
+
+
+def test_a_step_cut_at_eos_is_not_a_rejection(target):
+    """Hugging Face cuts a verified step after an EOS among the accepted drafts and reports
+    fewer matches; the drafts were not rejected (the target drafting for itself agrees with
+    every one)."""
+    model, ids, greedy, opt = target
+    new = greedy[0, ids.shape[1]:].tolist()
+    eos = next(t for i, t in enumerate(new) if i >= 6 and t not in new[:i])  # first seen mid-way
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    speculative.forget(opt)
+    out = opt.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, assistant_model=opt,
+                       draft_length=4)
+    assert torch.equal(out, plain) and out[0, -1] == eos
+    (acceptance, _), = speculative.statistics(opt)
+    assert acceptance.rejected == 0 and acceptance.accepted >= 4, acceptance
+
+
+def test_statistics_keep_draft_models_and_named_drafters_apart(target):
+    """A draft model's statistics are held weakly (dropped with it), prompt lookup's by name."""
+    model, ids, greedy, _ = target
+    opt = metainfer.optimize(model, "cpu")
+    drafter = tiny_hf_model("Qwen2", "sdpa", layers=1, seed=3)
+    opt.generate(ids, max_new_tokens=3, do_sample=False, assistant_model=drafter, draft_length=1)
+    opt.generate(ids, max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=2, draft_length=1)
+    assert len(speculative.statistics(opt)) == 2
+    del drafter
+    gc.collect()
+    assert len(speculative.statistics(opt)) == 1
 
 
 def test_bad_speculation_arguments(target):

@@ -61,7 +61,9 @@ class OptimizedModel:
         (`assistant_model=`, an OptimizedModel or a model, which is then optimized for the
         same target; or `prompt_lookup_num_tokens=`) the verify and draft steps run metainfer's
         graphs too, and the draft length is metainfer's (metainfer.speculative), re-chosen as
-        acceptance is measured, unless `draft_length=` fixes it."""
+        acceptance is measured, unless `draft_length=` fixes it. A models/ model with MTP
+        layers (DeepSeek) speculates the same way with them as the drafter, on one prompt at a
+        time; `draft_length=0` runs its plain loop."""
         from metainfer import speculative
 
         if not callable(getattr(type(self.model), "generate", None)):

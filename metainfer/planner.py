@@ -484,11 +484,16 @@ def best_draft_length(acceptance: float, verify_seconds, draft_seconds, max_draf
     return best
 
 
+def one_layer_drafter(m: ModelShape) -> ModelShape:
+    """The drafter the cost model prices: one layer of the model (MoE if the model has experts,
+    as DeepSeek's MTP layer) plus its embedding and head."""
+    return dataclasses.replace(m, name=f"{m.name} one-layer drafter", layers=1, dense_layers=0 if m.moe else 1)
+
+
 def _best_draft(m, p, target, batch, seq, acceptance: float) -> tuple[int, float, float]:
     """best_draft_length with predicted times: a verify step of the model on plan p, and
     `draft` steps of a one-layer drafter (an MTP head, as DeepSeek's) on the same plan."""
-    one_layer = dataclasses.replace(m, layers=1, dense_layers=0 if m.moe else 1)
-    draft_step = step_time(one_layer, Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)[0]
+    draft_step = step_time(one_layer_drafter(m), Plan(p.tp, p.dp, 1, p.ep), target, "decode", batch, seq)[0]
     return best_draft_length(
         acceptance, lambda n: step_time(m, p, target, "decode", batch, seq, tokens_per_seq=n)[0],
         lambda k: k * draft_step)

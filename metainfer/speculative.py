@@ -14,7 +14,8 @@ The draft length k maximises expected accepted tokens per second (planner.best_d
     tokens per step = (1 - a^(k+1)) / (1 - a)        a: acceptance per drafted token
     step seconds    = verify(k + 1) + draft(k) + rest
 - a is measured: a Beta(1, 1) prior updated after every verify with the tokens accepted and
-  whether a drafted token was rejected; kept per drafter and batch size across calls.
+  whether a drafted token was rejected; kept per drafter across calls (batch 1: the only
+  batch either engine speculates at).
 - verify(n) is measured: a least-squares line through the target's measured forwards by new
   tokens. Until two lengths are measured the first steps probe (a draft model or MTP: k = 1, 2;
   prompt lookup: its maximum and half of it); before any
@@ -31,7 +32,6 @@ the call (plain decode steps). Every change, with its reason, goes into the repo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -121,11 +121,11 @@ class Speculation:
         self.opt, self.kind, self.fixed, self.max_draft = opt, kind, fixed, max_draft
         self.drafter = drafter  # the draft OptimizedModel (assistant, MTP), or None
         self.drafts_cost = kind != "prompt lookup"  # drafted tokens take forwards of a drafter
-        # kept per drafter (its model; None: prompt lookup or the target itself) and batch size
-        # (assisted generation: 1) across calls, dropped with the drafter
+        # kept per drafter (its model; prompt lookup or the target itself: by name) across
+        # calls, dropped with the drafter; every speculative call runs at batch 1
         by_model, by_name = _STATS.setdefault(opt, (weakref.WeakKeyDictionary(), {}))
         per_drafter = by_model if drafter is not None else by_name
-        key = drafter.model if drafter is not None else (kind, 1)
+        key = drafter.model if drafter is not None else kind
         self.acceptance, self.measured = per_drafter.setdefault(key, (Acceptance(), Measured()))
         self.generator = None
         self.k = None
@@ -141,11 +141,11 @@ class Speculation:
         self.drafted: dict[int, int] = {}  # drafted length -> steps, over this call
         self._compiled = False  # a graph was compiled during the current step: its times are not kept
         self._target_shape = _shape(opt.model)
-        self._drafter_shape = _shape(drafter.model) if drafter is not None else None
-        if kind == "mtp" and self._target_shape is not None:  # one decoder layer (+ the shared head)
-            t = self._target_shape  # the MTP block is numbered after the main layers: dense only if all are
-            self._drafter_shape = dataclasses.replace(t, name=f"{t.name} MTP", layers=1,
-                                                      dense_layers=int(t.dense_layers > t.layers))
+        if kind == "mtp":  # one decoder layer and the shared head: the cost model's drafter
+            self._drafter_shape = self._target_shape and planner.one_layer_drafter(self._target_shape)
+        else:
+            self._drafter_shape = _shape(drafter.model) if drafter is not None else None
+        self._predicted: dict = {}  # the cost model's times, by what they are of (fixed for the call)
 
     # -- labels for the target's forwards ------------------------------------------------
     def phase(self, kwargs, tokens: int) -> str:
@@ -205,12 +205,14 @@ class Speculation:
                     yield self
         finally:
             if self.steps:
-                a = self.acceptance
-                self.opt.report.speculation.append({
-                    "when": "end of call", "drafter": self.kind, "batch": 1, "draft_length": self.k,
-                    "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
-                    "why": f"{self.steps} verify steps; drafted lengths (length: steps) {dict(sorted(self.drafted.items()))}",
-                    "drafted": dict(self.drafted)})
+                self._record("end of call", self.k, f"{self.steps} verify steps; drafted lengths (length: steps) "
+                             f"{dict(sorted(self.drafted.items()))}", drafted=dict(self.drafted))
+
+    def _record(self, when: str, k: int, why: str, **more) -> None:
+        a = self.acceptance
+        self.opt.report.speculation.append({
+            "when": when, "drafter": self.kind, "batch": 1, "draft_length": k, "acceptance": round(a.rate, 3),
+            "observed": f"{a.accepted} accepted, {a.rejected} rejected", "why": why, **more})
 
     @contextlib.contextmanager
     def _candidate_generator(self):
@@ -241,8 +243,7 @@ class Speculation:
         self.generator = gen
         for cfg in (getattr(gen, "generation_config", None), getattr(gen, "assistant_generation_config", None)):
             if cfg is not None:  # the draft length is exactly this object's: no stopping on low
-                cfg.assistant_confidence_threshold = 0.0  # confidence, no heuristic changing it
-                cfg.num_assistant_tokens_schedule = "constant"
+                cfg.assistant_confidence_threshold = 0.0  # confidence (_after_verify resets the length)
         get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
 
         def timed_get_candidates(input_ids, *args, **kwargs):
@@ -296,17 +297,22 @@ class Speculation:
             self._choose(f"after step {self.steps}")
         self._set(self.k)  # also over whatever the engine's own update did
 
-    def _predicted_verify(self, tokens: int) -> float | None:
-        if self._target_shape is None:
+    def _predicted_step(self, shape, tokens: int) -> float | None:
+        """The cost model's decode step of `shape` (the target's or the drafter's) over `tokens`
+        new tokens (batch 1, one device)."""
+        if shape is None:
             return None
-        return planner.step_time(self._target_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
-                                 CONTEXT, tokens_per_seq=tokens)[0]
+        key = (shape is self._target_shape, tokens)
+        if key not in self._predicted:
+            self._predicted[key] = planner.step_time(shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
+                                                     CONTEXT, tokens_per_seq=tokens)[0]
+        return self._predicted[key]
 
     def _verify_seconds(self, n: int) -> float:
         measured = self.measured.verify_seconds(n)
         if measured is not None:
             return measured
-        predicted = self._predicted_verify(n)
+        predicted = self._predicted_step(self._target_shape, n)
         return predicted if predicted is not None else 1.0
 
     def _draft_seconds_per_token(self) -> float:
@@ -315,8 +321,7 @@ class Speculation:
             return measured or 0.0
         if self._drafter_shape is None:
             return self._verify_seconds(1)  # no shape: as costly as the target's step
-        return planner.step_time(self._drafter_shape, planner.Plan(1, 1, 1, 1), self.opt.target, "decode", 1,
-                                 CONTEXT)[0]
+        return self._predicted_step(self._drafter_shape, 1)
 
     def _hopeless(self, rate: float, rest: float, per_token: float) -> bool:
         """Whether no draft length pays even with the verify as cheap as one decode step (the
@@ -354,10 +359,7 @@ class Speculation:
             if k == 0:
                 why = "speculation off: " + why
         if k != self.k:
-            self.opt.report.speculation.append({
-                "when": when, "drafter": self.kind, "batch": 1, "draft_length": k,
-                "acceptance": round(a.rate, 3), "observed": f"{a.accepted} accepted, {a.rejected} rejected",
-                "why": why})
+            self._record(when, k, why)
             self.k = k
         return k
 
@@ -404,10 +406,12 @@ def _optimized_drafter(opt, model):
     from metainfer.api import optimize
 
     b = opt._backend
+    how = dict(passes=[p.name for p in b.passes] if b.explicit else None, disable=tuple(sorted(b.disabled)),
+               lowering=b.lowering, pass_options=b.options or None)
     drafter = model.__dict__.get(_DRAFTER_ATTR)
-    if drafter is None or drafter.target != opt.target or drafter._backend.lowering != b.lowering:
-        drafter = optimize(model, b.target, passes=b.passes if b.explicit else None, disable=tuple(b.disabled),
-                           lowering=b.lowering, pass_options=b.options or None)
+    if drafter is None or drafter.target != opt.target or drafter._metainfer_how != how:
+        drafter = optimize(model, b.target, **how)
+        drafter._metainfer_how = how  # the settings it was optimized with
         model.__dict__[_DRAFTER_ATTR] = drafter
     return drafter
 

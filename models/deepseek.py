@@ -403,7 +403,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim)
-        self.block = Block(cfg, cfg.n_layers)  # numbered after the main layers: MoE unless all are dense
+        self.block = Block(cfg, cfg.n_layers)  # numbered after the main layers: an MoE block, as DeepSeek-V3's
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
@@ -437,7 +437,7 @@ class MTP(nn.Module):
 
 
 class DeepSeek(nn.Module):
-    # tensor parallelism (metainfer.distributed): MLA heads (q_b, kv_b, o) and the dense and
+    # tensor parallelism (metainfer.sharding): MLA heads (q_b, kv_b, o) and the dense and
     # shared-expert MLPs split; the latent projections and router stay whole on every rank;
     # routed experts stay whole too, or are spread over the ranks (MoE.shard_experts) when
     # expert parallelism is on. MTP layers are not in the plan: whole on every rank.

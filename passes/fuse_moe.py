@@ -376,13 +376,13 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
         raise NearMiss("the first grouped GEMM's output is not SwiGLU-gated")
     g, u, sw_nodes = found
     halves = _halves(g, u)
-    g1, zeroed1 = _unsentinel(halves[0]) if halves else (None, ())
+    g1, zeroed1 = _unsentinel(halves[0]) if halves else (None, None)
     if not _is_grouped_mm(g1):
         raise NearMiss("gate and up are not the two halves of one grouped GEMM")
     I = halves[1]
     xs, wgu_t, offs1 = g1.args[:3]
     xs, zeroed_x = _unsentinel(xs)
-    zeroed = (*zeroed, *zeroed1, *zeroed_x)
+    zeroed = [w for w in (zeroed, zeroed1, zeroed_x) if w is not None]
     if offs1 is not offs:
         raise NearMiss("the two grouped GEMMs use different offsets")
     wgu, wd = untransposed(wgu_t, 3), untransposed(wd_t, 3)  # (E, N, K) from their transposes
@@ -395,14 +395,15 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
             and xs.args[1][0].args[1] == K and xs.args[1][0].kwargs.get("rounding_mode") == "floor"):
         raise NearMiss("the grouped rows are not the tokens of the sorted (token, k) pairs")
     x = xs.args[0]
-    for where in zeroed[::3]:
+    for where in zeroed:
         ge = where.args[0].args[0]
         if not (ge.args[0].target is operator.getitem and ge.args[0].args[0] is srt and ge.args[0].args[1] == 0
                 and ge.args[1] == E):  # the sorted values (output 0 of the sort), not the permutation
             raise NearMiss(f"{where.name} zeroes rows by a mask other than the sorted ids >= {E} "
                            "(transformers' expert-parallel sentinel)")
     region = {total, v, back, mul, g2, wd_t, h, *sw_nodes, g1, wgu_t, xs, xs.args[1][0], offs, inv, w_rows, w_col,
-              g.args[0] if g.target is operator.getitem else g, *zeroed, *(w.args[1] for w in zeroed[::3])}
+              g.args[0] if g.target is operator.getitem else g,
+              *(n for w in zeroed for n in (w, w.args[0], w.args[0].args[0], w.args[1]))}
     region |= {g, u}
     site = Site(form="grouped_mm", out=_through_convert(total), x=x, ids=ids, weights=wts,
                 gate=(wgu, (0, I)), up=(wgu, (I, 2 * I)), down=wd, region=region)
@@ -411,15 +412,15 @@ def _match_grouped(total, v, back, tkh) -> Site | None:
     return site
 
 
-def _unsentinel(n: Node) -> tuple[Node, tuple]:
-    """(x, (where, unsqueeze, ge)) for where(unsqueeze(ids >= E, -1), 0, x): under expert
-    parallelism transformers points other ranks' experts at the sentinel id E and zeroes their
-    rows; the fused op drops ids outside [0, E) itself. (n, ()) otherwise; the caller checks
-    that the ids are the sorted ones."""
+def _unsentinel(n: Node) -> tuple[Node, Node | None]:
+    """(x, the where) for where(unsqueeze(ids >= E, -1), 0, x): under expert parallelism
+    transformers points other ranks' experts at the sentinel id E and zeroes their rows; the
+    fused op drops ids outside [0, E) itself. (n, None) otherwise; the caller checks that the
+    ids are the sorted ones."""
     if (is_op(n, aten.where) and is_op(n.args[0], aten.unsqueeze) and n.args[0].args[1] == -1
             and is_op(n.args[0].args[0], aten.ge) and is_op(n.args[1], aten.full) and n.args[1].args[1] == 0):
-        return n.args[2], (n, n.args[0], n.args[0].args[0])
-    return n, ()
+        return n.args[2], n
+    return n, None
 
 
 def _ascending(srt: Node) -> bool:

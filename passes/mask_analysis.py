@@ -252,13 +252,6 @@ def keep_predicate(node, interp: MaskInterpreter, *, kind: str, score_dtype: tor
     return _truth(v) if kind == "keep" else sympy.Not(_truth(v))
 
 
-def causal_offset(node, interp: MaskInterpreter, *, kind: str, score_dtype: torch.dtype) -> "int | torch.SymInt | None":
-    """Offset of a causal mask node (`kind` "additive", "keep" (True keeps) or "drop"), else
-    None: it keeps key j for query i iff j <= i + offset (see `causal_window`, window 0)."""
-    found = causal_window(node, interp, kind=kind, score_dtype=score_dtype)
-    return found[0] if found is not None and isinstance(found[1], int) and found[1] == 0 else None
-
-
 def _key_minus_query_bound(rel) -> tuple[str, sympy.Expr] | None:
     """An inequality read as a bound on key - query: ("upper", u) for key - query <= u,
     ("lower", l) for key - query >= l, with u, l integers free of indices; else None."""

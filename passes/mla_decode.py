@@ -24,13 +24,12 @@ import operator
 
 import torch
 
-from metainfer.kernels.attention import softcap_window
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    VIEW_OPS, Node, aten, dtype, insert_call, is_op, linear_operands, location, peel, same, shape, untransposed, escaping_uses,
+    VIEW_OPS, Node, aten, arg, dtype, insert_call, is_op, linear_operands, location, peel, same, shape, untransposed, escaping_uses,
     sizes_available,
 )
 
@@ -58,7 +57,7 @@ class MLADecode(Pass):
                 site = _match(node)
                 if site is None:
                     continue
-                if node.target is _ATTENTION and softcap_window(node.args, node.kwargs) != (0.0, 0):
+                if node.target is _ATTENTION and (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
                     raise NearMiss("the attention is soft-capped or windowed, which metainfer.mla_decode does not compute")
                 if not sizes_available(graph, node, [shape(site["q_nope"]), shape(node)], site["region"]):
                     raise NearMiss("a symbolic size the absorbed form needs is not available")

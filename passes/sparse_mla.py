@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer.kernels.attention import softcap_window
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
 from .matching import (
-    CONVERT_OPS, Node, aten, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
+    CONVERT_OPS, Node, aten, arg, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
 )
 
 _FLOOR = torch.finfo(torch.float16).min  # a fill at or below this drops a key exactly
@@ -62,7 +61,7 @@ class SparseMLA(Pass):
                 continue
             if found is None:
                 continue
-            if softcap_window(node.args, node.kwargs) != (0.0, 0):
+            if (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
                 res.near_misses.append(f"{location(node)}: sparse attention not used: the attention is soft-capped "
                                        "or windowed, which metainfer.sparse_attention does not compute")
                 continue

@@ -197,6 +197,31 @@ def test_attention_on_a_cpu_is_priced_by_the_path_it_takes():
         assert c.seconds == pytest.approx(max(flops / 126e9, nbytes / 20.5e9) + 5e-6)
 
 
+def test_windowed_and_soft_capped_attention_prices():
+    """A sliding window of W keys: about W keys per query (no causal half) on a GPU target. On
+    a CPU a soft-cap or window leaves torch's fused kernel (it has neither): the chunked path,
+    whose score matrix a soft-cap reads and writes 6 more times (divide, tanh, multiply); at
+    this size one chunk holds every row, so every key is scored. By hand."""
+    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+
+    B, H, S, D, W = 1, 4, 256, 64, 32
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+
+    def priced(target, softcap, window):
+        gm, _ = capture_graph(lambda q, k, v: torch.ops.metainfer.attention(q, k, v, None, 0.125, True, 0, False,
+                                                                            softcap, window), q, k, v)
+        (att,) = _nodes(gm, "metainfer.attention")
+        return cost.op_cost(att, targets.get(target))
+
+    assert priced("pcie8", 0.0, W).flops == 2 * B * H * S * W * 2 * D
+    assert priced("pcie8", 0.0, 0).flops == 2 * B * H * S * S * 2 * D / 2  # causal: half
+    io, scores = 4 * B * H * S * 4 * D, B * H * S * S
+    assert priced("cpu", 0.0, 0).bytes == io  # the fused kernel: no score matrix
+    for softcap, window, passes in ((30.0, 0, 14), (0.0, W, 8), (30.0, W, 14)):
+        c = priced("cpu", softcap, window)
+        assert (c.flops, c.bytes) == (2 * scores * 2 * D, io + passes * scores * 4), (softcap, window)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(16, 64), st.integers(16, 64), st.integers(16, 64))  # small dims decompose to mul+sum
 def test_bigger_matmul_never_cheaper(m, n, k):

@@ -123,6 +123,11 @@ def test_kv_heads_that_neither_split_nor_replicate_are_refused():
     more_kv = tiny_hf_model("Llama", num_attention_heads=12, num_key_value_heads=6, hidden_size=96)
     with pytest.raises(ValueError, match="6 key-value heads neither split over nor replicate onto.*4"):
         sharding.check_shardable(more_kv, 4)  # 12 query heads split, but 6 KV heads neither split nor replicate
+    fused = tiny_hf_model("Llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    attn = fused.model.layers[0].self_attn
+    attn.k_proj = torch.nn.Linear(64, 3 * 16, bias=False)  # not 2 heads of 16: which rows are a head?
+    with pytest.raises(ValueError, match="48 output features, not 2 key-value heads of 16"):
+        sharding.check_shardable(fused, 4)
 
 
 def test_the_planner_spreads_hugging_face_experts():
@@ -145,3 +150,7 @@ def test_the_planner_spreads_hugging_face_experts():
     d = distributed.choose_degrees(model, targets.get("pcie8"), 8)
     assert (d.tp, d.expert_parallel) == (8, True), d.why
     assert d.why.startswith("degrees: tp8 ep8")
+    experts = next(m for _, m in sharding.hf_expert_modules(model))
+    experts.register_parameter("scale", torch.nn.Parameter(torch.ones(128, 4, device="meta")))
+    with pytest.raises(ValueError, match=r"but not \['scale'\]: cannot spread its experts"):
+        sharding.check_expert_parallel(model, 8)  # read with local ids, it would be wrong: refused

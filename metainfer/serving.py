@@ -157,11 +157,40 @@ class Capacity:
         return self.num_blocks * self.page_size
 
 
+# Of the memory the OS reports available on a host, the share the KV pool may take: the host is
+# shared with the OS, its page cache and other processes, and the engine zero-fills the pool up
+# front (vLLM's CPU backend takes a fixed 4 GiB unless told otherwise). A GPU's free memory is
+# the engine's alone: the planner's 90% applies there, as vLLM's gpu_memory_utilization does.
+HOST_MEMORY_SHARE = 0.5
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, where the figure came from) the machine has free for a new allocation on
+    `device` now: free device memory on a GPU, the OS's MemAvailable on a host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory on {device}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages (sysconf)"
+
+
 def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
-                    max_batch_tokens: int = 8192) -> Capacity:
-    """KV pool from the target's memory: what is left after the weights and one step's
-    activations, capped, when the workload is known (`request_tokens`: each request's prompt
-    plus new tokens), at what it can ever hold at once (every request whole)."""
+                    max_batch_tokens: int = 8192, available: tuple[int, str] | None = None) -> Capacity:
+    """KV pool: the smallest of three bounds, the report saying which decided:
+    - the target's memory after the weights and one step's activations;
+    - the machine's memory as it is: what is available now (the weights, already loaded, are
+      not in it) after one step's activations, a share of it on a host (HOST_MEMORY_SHARE);
+    - when the workload is known (`request_tokens`: each request's prompt plus new tokens), what
+      it can ever hold at once (every request whole).
+    `available` (bytes, source) stands in for the machine's reading (tests)."""
     from metainfer import planner, shapes
 
     model, target = opt.model, opt.target
@@ -172,24 +201,34 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     act_per_token = planner._activation_per_token(shape, planner.Plan(tp=1, dp=1, pp=1, ep=1))
     rows = len(request_tokens) if request_tokens else 256  # logits rows of one step (float32)
     activations = max_batch_tokens * act_per_token + rows * shape.vocab * 4
-    usable = target.device.memory_bytes * planner.MEMORY_UTILIZATION
-    budget = usable - weights - activations
-    if budget < kv_per_token * page_size:
-        raise ValueError(f"target {target.name}: {usable / 2**30:.1f} GiB usable leaves no room for a KV pool after "
-                         f"{weights / 2**30:.2f} GiB of weights and {activations / 2**30:.2f} GiB of activations at "
-                         f"{max_batch_tokens} batch tokens")
-    by_memory = int(budget // (kv_per_token * page_size))
-    memory = (f"target {target.name}'s memory ({target.device.memory_bytes / 2**30:.0f} GiB x "
-              f"{planner.MEMORY_UTILIZATION:.0%}) after {weights / 2**20:.1f} MiB of weights and "
-              f"{activations / 2**20:.1f} MiB of activations at {max_batch_tokens} batch tokens")
+    block_bytes = kv_per_token * page_size
+    device = next(model.parameters()).device
+    free, source = available if available is not None else available_memory(device)
+    share = HOST_MEMORY_SHARE if device.type == "cpu" else planner.MEMORY_UTILIZATION
+    bounds = {
+        "target": (target.device.memory_bytes * planner.MEMORY_UTILIZATION - weights - activations,
+                   f"target {target.name}'s memory ({target.device.memory_bytes / 2**30:.0f} GiB x "
+                   f"{planner.MEMORY_UTILIZATION:.0%}) after {weights / 2**20:.1f} MiB of weights and "
+                   f"{activations / 2**20:.1f} MiB of activations at {max_batch_tokens} batch tokens"),
+        "machine": (free * share - activations,
+                    f"the machine's available memory ({free / 2**30:.1f} GiB, {source}; {share:.0%} of it) after "
+                    f"{activations / 2**20:.1f} MiB of activations at {max_batch_tokens} batch tokens"),
+    }
+    bound, (budget, memory) = min(bounds.items(), key=lambda kv: kv[1][0])
+    if budget < block_bytes:
+        raise ValueError(f"no room for a KV pool of even one block ({block_bytes / 2**20:.1f} MiB): {memory} leaves "
+                         f"{max(budget, 0) / 2**20:.1f} MiB; lower max_batch_tokens or free memory")
+    by_memory = int(budget // block_bytes)
+    other = next(v for k, v in bounds.items() if k != bound)
+    memory += f" (the {'machine' if bound == 'target' else 'target'} would allow {int(max(other[0], 0) // block_bytes)})"
     if request_tokens:
         need = sum(math.ceil(n / page_size) for n in request_tokens) + 1
         num_blocks = max(1, min(by_memory, need))
-        reason = (f"what the {len(request_tokens)} requests can hold at once ({memory} would allow {by_memory})"
-                  if num_blocks == need else f"{memory}; the workload could use {need}")
+        reason = (f"what the {len(request_tokens)} requests can hold at once ({memory.split(' (')[0]} would allow "
+                  f"{by_memory})" if num_blocks == need else f"{memory}; the workload could use {need}")
     else:
         num_blocks, reason = by_memory, memory
-    why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * page_size * kv_per_token / 2**20:.1f} MiB, "
+    why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * block_bytes / 2**20:.1f} MiB, "
            f"{kv_per_token:.0f} B per token): {reason}; max_batch_tokens {max_batch_tokens}")
     return Capacity(num_blocks, page_size, max_batch_tokens, why)
 

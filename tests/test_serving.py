@@ -99,24 +99,45 @@ def test_the_streaming_manager():
     assert model.config._attn_implementation == original
 
 
-def test_capacity_comes_from_the_target_and_the_workload():
+def test_capacity_comes_from_the_target_the_machine_and_the_workload():
     model = tiny_hf_model("Llama", layers=1)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
     reqs = prompts((10, 40, 25))
     cap = serving.choose_capacity(opt, [len(r) + 20 for r in reqs], page_size=16, max_batch_tokens=256)
     # every request whole at once: ceil(30/16) + ceil(60/16) + ceil(45/16) = 2 + 4 + 3, plus one spare
     assert cap.num_blocks == 10 and "what the 3 requests can hold at once" in cap.why
-    # unknown workload: the target's memory after the weights and a step's activations
-    kv_token = 2 * 1 * 2 * 16 * 4  # K and V x 1 layer x 2 kv heads x head_dim 16 x float32
+    # unknown workload, by hand: 1 layer x (K + V) x 2 kv heads x head_dim 16 x float32 = 256 B a token;
+    # activations at 256 batch tokens: 256 x 4 B x (4 x 64 hidden + 2 x 4 heads x (16 + 16) + 3 x 128
+    # intermediate) = 917,504 B, plus 256 logits rows x 128 vocab x float32 = 131,072 B
+    kv_block = 256 * 16
+    activations = 256 * 4 * (4 * 64 + 2 * 4 * 32 + 3 * 128) + 256 * 128 * 4
+    machine = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(64 * 2**20, "test"))
+    assert machine.num_blocks == (64 * 2**20 // 2 - activations) // kv_block == 7936
+    assert "the machine's available memory (0.1 GiB, test; 50% of it)" in machine.why
+    # a machine with more memory than the target claims: the target's figure after the weights
     weights = sum(p.numel() * 4 for p in model.parameters())
-    by_memory = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256)
+    target = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(2**50, "test"))
     usable = opt.target.device.memory_bytes * 0.9
-    assert by_memory.num_blocks * 16 * kv_token <= usable - weights
-    assert by_memory.num_blocks * 16 * kv_token > usable - weights - 256 * 1e5 - 256 * 128 * 4 - 16 * kv_token
+    assert target.num_blocks == int((usable - weights - activations) // kv_block)
+    assert target.why.split(": ", 1)[1].startswith("target cpu's memory (24 GiB x 90%)")
     out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(
         page_size=16, max_batch_tokens=256))  # 6 new tokens: 1 + 3 + 2 blocks, plus one spare
     assert all(r.error is None for r in out.values())
     assert any(n.startswith("serving capacity: KV pool 7 blocks x 16 tokens") for n in opt.report.notes)
+
+
+def test_a_target_claiming_more_memory_than_the_machine_has_gets_a_pool_that_fits(tmp_path):
+    import dataclasses
+
+    model = tiny_hf_model("Llama", layers=1)
+    cpu = metainfer.targets.get("cpu")
+    huge = dataclasses.replace(cpu, name="cpu-64tib", device=dataclasses.replace(cpu.device, memory_bytes=2.0**46))
+    opt = metainfer.optimize(model, huge, lowering="aot_eager")
+    cap = serving.choose_capacity(opt, None, page_size=256, max_batch_tokens=8192)
+    with open("/proc/meminfo") as f:  # read after: the pool must fit what is available now
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert cap.num_blocks * 256 * 256 <= available, cap.why
+    assert "the machine's available memory" in cap.why and "(the target would allow" in cap.why
 
 
 def test_the_attention_refuses_to_run_outside_a_serving_step():

@@ -15,34 +15,64 @@ Workloads (HF Llama, hidden 512 x 4 layers, 8 heads / 2 kv heads, vocab 32000, f
 - compiles: 200 requests of 1..2048 prompt tokens on a tiny model: how many graphs metainfer compiles;
 - long-context (on request, `--only long-context`): one 128k-token prompt on a tiny model through
   chunked prefill: peak memory, and tokens against unchunked HF generate.
+- long-tail: 32 requests with log-normal prompt lengths (median 128 tokens, a few up to 2048;
+  about 6,800 tokens in all), 32 new tokens each, in float32 and bfloat16 (`--dtype`): metainfer
+  against the plain engine at its best max_batch_tokens (`cb-tuned`), each sizing its pool for
+  the workload; tokens scored against the float32 plain engine's (the reference for bf16);
+- decode-heavy: 32 requests of 16-128 prompt tokens and 128 new tokens each, the same variants;
+- cold-start (`--only cold-start`): the long-tail batch served once by a fresh process, plain and
+  with metainfer on an empty compile cache, then with metainfer again in a new process on the
+  cache the first left warm.
 The main and shared-prefix runs give every engine the same explicit pool and batch size.
+Rows of a workload are served `--rounds` times (default 3), interleaved; the first round includes
+compiles (the "first run" column), the table gives the median of the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import time
+
+import torch
 
 from metainfer import servebench
 
 SAME = dict(num_blocks=96, page_size=256, max_batch_tokens=2048)
+WORKLOADS = ("main", "shared-prefix", "engine-defaults", "compiles", "long-tail", "decode-heavy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TUNED = ("cb-tuned", "cb+metainfer")  # the long-tail and decode-heavy comparisons
+
+
+def long_tail() -> "servebench.Workload":
+    return servebench.Workload.long_tail(32, median=128, sigma=1.0, lo=8, hi=2048, output=32, seed=11)
+
+
+def decode_heavy() -> "servebench.Workload":
+    return servebench.Workload.synthetic(32, prompt=(16, 128), output=128, seed=12)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", choices=("main", "shared-prefix", "engine-defaults", "compiles", "long-context"),
-                    default=("main", "shared-prefix", "engine-defaults", "compiles"))
+    ap.add_argument("--only", nargs="+", choices=WORKLOADS + ("long-context", "cold-start"), default=WORKLOADS)
+    ap.add_argument("--dtype", nargs="+", choices=DTYPES, default=("float32", "bfloat16"),
+                    help="long-tail / decode-heavy: the model's dtypes (default both)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs per variant, interleaved; the first compiles")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--long-tokens", type=int, default=131072, help="long-context: prompt tokens (default 128k)")
     ap.add_argument("--variants", nargs="+", choices=servebench.VARIANTS, default=servebench.VARIANTS)
     ap.add_argument("--model", default="hf-llama-512x4")
     ap.add_argument("--json", metavar="FILE", help="write every row here")
     a = ap.parse_args(argv)
-    model = servebench.build_model(a.model)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = servebench.build_model(a.model) if set(a.only) & {"main", "shared-prefix", "engine-defaults"} else None
     results = {}
     if "main" in a.only:
         w = servebench.Workload.synthetic(32, prompt=(64, 512), output=32, seed=1)
-        rows = servebench.run(model, w, variants=a.variants, cb_config=SAME)
+        rows = servebench.run(model, w, variants=a.variants, cb_config=SAME, rounds=a.rounds)
         print(f"\n== main: 32 requests, prompts 64-512 tokens ({sum(r.prompt_tokens for r in w.requests)} in all), "
               f"32 new tokens each; engine config {SAME}")
         print(servebench.table(rows))
@@ -56,7 +86,7 @@ def main(argv=None) -> int:
         for share in (False, True):
             cfg = {**SAME, "allow_block_sharing": share}
             rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants],
-                                  cb_config=cfg)
+                                  cb_config=cfg, rounds=a.rounds)
             print(f"-- prefix blocks {'shared' if share else 'not shared'} (allow_block_sharing={share})")
             print(servebench.table(rows))
             by_sharing[share] = {r.variant: r for r in rows}
@@ -67,18 +97,98 @@ def main(argv=None) -> int:
                       f"{by_sharing[True][v].input_tps / by_sharing[False][v].input_tps:.2f}x")
     if "engine-defaults" in a.only:
         w = servebench.Workload.synthetic(32, prompt=(64, 512), output=32, seed=1)
-        rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants])
+        rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants],
+                              rounds=a.rounds)
         print("\n== engine-defaults: the main workload, each engine sizing its own pool and batch")
         print(servebench.table(rows))
         results["engine-defaults"] = [r.to_dict() for r in rows]
     if "compiles" in a.only:
         results["compiles"] = compiles()
+    for name, make in (("long-tail", long_tail), ("decode-heavy", decode_heavy)):
+        if name not in a.only:
+            continue
+        w = make()
+        reference = None
+        for dtype in a.dtype:
+            m = servebench.build_model(a.model, dtype=DTYPES[dtype])
+            if reference is None and dtype == "float32":
+                # the plain engine in float32: what bf16 tokens are scored against
+                reference = [o.generated_tokens for o in m.generate_batch(
+                    w.prompts(m.config.vocab_size), generation_config=servebench._greedy(m, w.requests[0].output_tokens),
+                    continuous_batching_config=__import__("transformers").ContinuousBatchingConfig(
+                        num_blocks=servebench.workload_blocks(w), max_batch_tokens=2048)).values()]
+            rows = servebench.run(m, w, variants=[v for v in TUNED if v in a.variants], rounds=a.rounds,
+                                  reference=reference)
+            print(f"\n== {name}, {dtype}: {len(w.requests)} requests, {sum(r.prompt_tokens for r in w.requests)} prompt "
+                  f"tokens ({min(r.prompt_tokens for r in w.requests)}..{max(r.prompt_tokens for r in w.requests)}), "
+                  f"{w.requests[0].output_tokens} new tokens each; each engine sizes its pool for the workload")
+            print(servebench.table(rows))
+            results[f"{name} {dtype}"] = [r.to_dict() for r in rows]
+    if "cold-start" in a.only:
+        results["cold-start"] = cold_start(a.model, a.dtype, a.threads)
     if "long-context" in a.only:
         results["long-context"] = long_context(a.long_tokens)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
     return 0
+
+
+def cold_start(model_name: str, dtypes, threads: int | None) -> dict:
+    """The long-tail batch served once by a fresh process: plain (at its tuned max_batch_tokens
+    and the pool of the workload), metainfer on an empty compile cache, metainfer again on the
+    cache the previous process left. Wall time from the call to the last result."""
+    import tempfile
+
+    out = {}
+    for dtype in dtypes:
+        with tempfile.TemporaryDirectory() as cache:
+            times = {}
+            for label, variant in (("plain", "cb"), ("metainfer, cold cache", "cb+metainfer"),
+                                   ("metainfer, warm cache", "cb+metainfer")):
+                proc = subprocess.run([sys.executable, __file__, "--first-batch", variant, "--model", model_name,
+                                       "--dtype", dtype, "--cache", cache] + (["--threads", str(threads)] if threads else []),
+                                      capture_output=True, text=True)
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("first batch")]
+                if proc.returncode or not line:
+                    raise RuntimeError(f"cold-start run {label} failed:\n{proc.stderr[-3000:]}")
+                times[label] = float(line[-1].split()[2])
+                print(f"{dtype} {label}: {line[-1]}")
+            base = times["plain"]
+            print(f"== cold-start {dtype}: plain {base:.1f} s; metainfer cold cache {times['metainfer, cold cache']:.1f} s "
+                  f"({times['metainfer, cold cache'] / base:.2f}x), warm cache {times['metainfer, warm cache']:.1f} s "
+                  f"({times['metainfer, warm cache'] / base:.2f}x)")
+            out[dtype] = times
+    return out
+
+
+def first_batch(variant: str, model_name: str, dtype: str, cache: str, threads: int | None) -> None:
+    """One process, one batch (the long-tail workload): its wall time including everything the
+    first call does (compiles, warm-up), and the report's serving notes."""
+    from transformers import ContinuousBatchingConfig
+
+    import metainfer
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = servebench.build_model(model_name, dtype=DTYPES[dtype])
+    w = long_tail()
+    prompts = w.prompts(model.config.vocab_size)
+    gen = servebench._greedy(model, w.requests[0].output_tokens)
+    if variant == "cb":
+        # the plain engine at the max_batch_tokens its sweep chose on this workload (2048 on the dev VM)
+        cfg = ContinuousBatchingConfig(num_blocks=servebench.workload_blocks(w), max_batch_tokens=2048)
+        t0 = time.perf_counter()
+        model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg)
+        print(f"first batch {time.perf_counter() - t0:.2f} s")
+        return
+    t0 = time.perf_counter()
+    opt = metainfer.optimize(model, "cpu", cache_dir=cache)
+    opt.generate_batch(prompts, generation_config=gen)
+    print(f"first batch {time.perf_counter() - t0:.2f} s ({len(opt.report.sections)} graphs)")
+    for n in opt.report.notes:
+        if n.startswith("serving"):
+            print("  " + n)
 
 
 def compiles() -> dict:
@@ -139,4 +249,14 @@ def long_context(tokens: int) -> dict:
 
 
 if __name__ == "__main__":
+    if "--first-batch" in sys.argv:
+        fb = argparse.ArgumentParser()
+        fb.add_argument("--first-batch", choices=("cb", "cb+metainfer"))
+        fb.add_argument("--model", default="hf-llama-512x4")
+        fb.add_argument("--dtype", choices=DTYPES, default="float32")
+        fb.add_argument("--cache", required=True)
+        fb.add_argument("--threads", type=int)
+        x = fb.parse_args()
+        first_batch(x.first_batch, x.model, x.dtype, x.cache, x.threads)
+        sys.exit(0)
     sys.exit(main())

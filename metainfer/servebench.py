@@ -15,12 +15,15 @@ Variants:
 - `hf-generate`: the model's own `generate`, in static batches of `static_batch` prompts,
   left-padded (what one does without a serving engine);
 - `cb`: transformers' continuous batching, plain;
+- `cb-tuned`: the plain engine at its best max_batch_tokens for the workload (swept over
+  TUNED_BATCH_TOKENS in the first round), pool sized for the workload unless given;
 - `cb+inductor`: the same with the engine's compile configs set to Inductor;
 - `cb+metainfer`: OptimizedModel.generate_batch (metainfer's graphs, paged attention kernel,
   KV pool sized by metainfer).
 
-Each variant serves the workload twice; the first run (compiles, warm-up) and the second are
-both timed, and the table reports the second. Input tok/s and output tok/s are the field's:
+Each variant serves the workload `rounds` times (at least twice), the variants interleaved
+round by round; the first run (compiles, warm-up) and the later ones are timed, and the table
+reports the median of the later ones. Input tok/s and output tok/s are the field's:
 all prompt tokens (resp. generated tokens) over the run's duration, from the first arrival to
 the last token. TTFT is from a request's arrival to its first token, TPOT the mean gap
 between its later tokens (medians over requests). Peak memory is the process's resident set
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("hf-generate", "cb", "cb+inductor", "cb+metainfer")
+VARIANTS = ("hf-generate", "cb", "cb-tuned", "cb+inductor", "cb+metainfer")
 
 
 @dataclass
@@ -72,6 +75,15 @@ class Workload:
             t += gap if i else 0.0
             reqs.append(Request(length, output, i % prefix_groups if prefix_groups else None, round(t, 4)))
         return cls(reqs, prefix_tokens if prefix_groups else 0, seed)
+
+    @classmethod
+    def long_tail(cls, n: int, median: int = 128, sigma: float = 1.0, lo: int = 8, hi: int = 2048, output: int = 32,
+                  seed: int = 0) -> "Workload":
+        """n requests whose prompt lengths are log-normal (median `median` tokens, log-space spread
+        `sigma`, clipped to lo..hi): most prompts short, a few long, as chat traffic is."""
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.empty(n).log_normal_(mean=float(torch.tensor(float(median)).log()), std=sigma, generator=g)
+        return cls([Request(int(x), output) for x in lengths.clamp(lo, hi).tolist()], 0, seed)
 
     @classmethod
     def load(cls, path) -> "Workload":
@@ -112,6 +124,10 @@ class Row:
     same_tokens: int | None = None  # requests whose greedy tokens equal the plain engine's
     requests: int = 0
     notes: list[str] = field(default_factory=list)
+    first_peak_mib: float | None = None  # the first run's peak (compiles included)
+    rounds: list[float] = field(default_factory=list)  # seconds of each measured round
+    reference_equal: int | None = None  # requests whose tokens equal the reference's (run(reference=))
+    reference_prefix: float | None = None  # mean share of the reference's tokens matched before the first difference
 
     @property
     def input_tps(self) -> float:
@@ -207,79 +223,174 @@ def _latencies(times) -> tuple[float | None, float | None]:
 
 
 def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: dict | None = None,
-        static_batch: int = 8, progress: bool = True, lowering: str | None = None) -> list[Row]:
-    """Serve `workload` with each variant (model: a transformers causal LM in eval mode)."""
+        static_batch: int = 8, progress: bool = True, lowering: str | None = None, rounds: int = 2,
+        reference: list[list[int]] | None = None, cache_dir=None) -> list[Row]:
+    """Serve `workload` with each variant (model: a transformers causal LM in eval mode).
+
+    Every variant serves the workload `rounds` times, interleaved (round r of every variant
+    before round r + 1 of any), so drift of the machine falls on all of them alike. Round 0
+    includes compiles and warm-ups: its time is the row's first-run time; the row's time is the
+    median of the later rounds. `cb-tuned` spends round 0 on its sweep (each max_batch_tokens in
+    TUNED_BATCH_TOKENS once) and serves the later rounds with the fastest. `reference`: each
+    request's greedy tokens from a reference (e.g. the model in float32), against which every
+    variant's tokens are scored; `cache_dir`: metainfer's compile cache (a fresh one measures a
+    cold start)."""
     from tqdm.auto import tqdm
-    from transformers import CompileConfig, ContinuousBatchingConfig
 
     import metainfer
 
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    if rounds < 2:
+        raise ValueError(f"rounds must be at least 2 (the first includes compiles), got {rounds}")
     prompts = workload.prompts(model.config.vocab_size)
     outputs = [r.output_tokens for r in workload.requests]
-    input_tokens = sum(len(p) for p in prompts)
-    rows: list[Row] = []
-    reference: list[list[int]] | None = None
-    bar = tqdm(total=2 * len(variants), desc="serving benchmark", unit="run", disable=not progress)
-
-    def engine_cfg(**extra):
-        return None if cb_config is None and not extra else ContinuousBatchingConfig(**{**(cb_config or {}), **extra})
-
-    for variant in variants:
-        # every variant from no compiled code: Dynamo's caches and recompile budgets are per code
-        # object, and the model's forward is the same code in every variant
-        torch._dynamo.reset()
-        graphs = None
-        notes: list[str] = []
-        if variant == "hf-generate":
-            serve = None
-        elif variant == "cb+metainfer":
-            opt = metainfer.optimize(model, target, lowering=lowering)
-            serve = {"batch": lambda ps, n: opt.generate_batch(ps, generation_config=_greedy(model, n),
-                                                                continuous_batching_config=engine_cfg(),
-                                                                record_timestamps=True),
-                     "manager": lambda n: opt.init_continuous_batching(generation_config=_greedy(model, n),
-                                                                      continuous_batching_config=engine_cfg())}
-        else:
-            extra = {}
-            if variant == "cb+inductor":
-                compiled = CompileConfig(backend="inductor", mode=None, dynamic=True)
-                extra = dict(varlen_compile_config=compiled, decode_compile_config=compiled)
-            serve = {"batch": lambda ps, n, extra=extra: model.generate_batch(
-                        ps, generation_config=_greedy(model, n), continuous_batching_config=engine_cfg(**extra),
-                        record_timestamps=True),
-                     "manager": lambda n, extra=extra: model.init_continuous_batching(
-                        generation_config=_greedy(model, n), continuous_batching_config=engine_cfg(**extra))}
-        timings = []
-        for _ in range(2):
-            counter = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            with _PeakRSS() as mem:
-                if serve is None:
-                    seconds, times, tokens = _static_batches(model, prompts, outputs, static_batch)
-                else:
-                    seconds, times, tokens = _engine_run(serve, prompts, workload, outputs)
-            timings.append(seconds)
-            if variant == "cb+metainfer":
-                graphs = len(opt.report.sections)
-            elif variant == "cb+inductor":
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - counter + (graphs or 0)
+    # every variant from no compiled code: Dynamo's caches and recompile budgets are per code object
+    torch._dynamo.reset()
+    servers = {v: _server(v, model, workload, target, cb_config, lowering, cache_dir) for v in variants}
+    bar = tqdm(total=rounds * len(variants), desc="serving benchmark", unit="run", disable=not progress)
+    runs: dict[str, list] = {v: [] for v in variants}
+    for round_ in range(rounds):
+        for v in variants:
+            serve = servers[v]
+            if v == "hf-generate":
+                with _PeakRSS() as mem:
+                    result = _static_batches(model, prompts, outputs, static_batch)
+            elif v == "cb-tuned" and round_ == 0:
+                result, mem = serve.sweep(prompts, workload, outputs)
+            else:
+                with _PeakRSS() as mem:
+                    result = _engine_run(serve.modes(), prompts, workload, outputs)
+            runs[v].append((result, mem.mib))
             bar.update(1)
-        ttft, tpot = _latencies(times)
-        row = Row(variant, timings[1], timings[0], input_tokens, sum(len(t) for t in tokens), ttft, tpot, mem.mib,
-                  graphs, requests=len(prompts), notes=notes)
-        if variant == "cb":
-            reference = tokens
-        row._tokens = tokens  # type: ignore[attr-defined]
-        if variant == "cb+metainfer":
-            row.notes += list(dict.fromkeys(n for n in opt.report.notes if n.startswith("serving")))
-        rows.append(row)
     bar.close()
-    if reference is not None:
-        for row in rows:
-            row.same_tokens = sum(a == b for a, b in zip(row._tokens, reference))  # type: ignore[attr-defined]
+    rows = []
+    plain = runs.get("cb")
+    for v in variants:
+        (first, first_peak), measured = runs[v][0], runs[v][1:]
+        seconds = statistics.median(r[0] for r, _ in measured)
+        last = measured[-1][0]
+        ttft, tpot = _latencies(last[1])
+        row = Row(v, seconds, first[0], sum(len(p) for p in prompts), sum(len(t) for t in last[2]), ttft, tpot,
+                  max(peak for _, peak in measured), servers[v].graphs(), requests=len(prompts),
+                  first_peak_mib=first_peak, rounds=[r[0] for r, _ in measured], notes=servers[v].notes())
+        if plain is not None:
+            row.same_tokens = sum(a == b for a, b in zip(last[2], plain[-1][0][2]))
+        if reference is not None:
+            row.reference_equal = sum(a == b for a, b in zip(last[2], reference))
+            row.reference_prefix = statistics.mean(_common_prefix(a, b) / max(1, len(b))
+                                                    for a, b in zip(last[2], reference))
+        row._tokens = last[2]  # type: ignore[attr-defined]
+        rows.append(row)
     return rows
+
+
+TUNED_BATCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def workload_blocks(workload: Workload, page_size: int = 256) -> int:
+    """KV blocks that hold every request of the workload whole at once, plus a spare."""
+    return sum(-(-(r.prompt_tokens + workload.prefix_tokens * (r.prefix_group is not None) + r.output_tokens)
+                 // page_size) for r in workload.requests) + 1
+
+
+class _Server:
+    """One way of serving: `modes()` gives the batch and streaming entry points."""
+
+    def __init__(self, variant, model, batch, manager, graphs=lambda: None, notes=lambda: []):
+        self.variant, self.model = variant, model
+        self._batch, self._manager = batch, manager
+        self.graphs, self.notes = graphs, notes
+
+    def modes(self, cfg: dict | None = None) -> dict:
+        return {"batch": lambda ps, n: self._batch(ps, n, cfg), "manager": lambda n: self._manager(n, cfg)}
+
+
+class _TunedServer(_Server):
+    """The plain engine at the max_batch_tokens that served the workload fastest in round 0."""
+
+    def __init__(self, model, cb_config: dict, batch, manager):
+        super().__init__("cb-tuned", model, batch, manager, notes=lambda: [self.sweep_note] if self.sweep_note else [])
+        self.base, self.best, self.sweep_note = cb_config, None, ""
+
+    def sweep(self, prompts, workload, outputs):
+        timings = {}
+        peak = None
+        for mbt in TUNED_BATCH_TOKENS:
+            with _PeakRSS() as mem:
+                timings[mbt] = _engine_run(super().modes({**self.base, "max_batch_tokens": mbt}), prompts, workload,
+                                           outputs)
+            peak = mem if peak is None or mem.mib > peak.mib else peak
+        self.best = min(timings, key=lambda m: timings[m][0])
+        self.sweep_note = ("max_batch_tokens swept in round 0: " + ", ".join(
+            f"{m}: {timings[m][0]:.2f} s" for m in TUNED_BATCH_TOKENS) + f"; serving with {self.best}")
+        return timings[self.best], peak
+
+    def modes(self, cfg=None):
+        return super().modes({**self.base, "max_batch_tokens": self.best})
+
+
+def _server(variant, model, workload, target, cb_config, lowering, cache_dir) -> _Server:
+    from transformers import CompileConfig, ContinuousBatchingConfig
+
+    import metainfer
+
+    def engine_cfg(cfg, **extra):
+        return None if cfg is None and not extra else ContinuousBatchingConfig(**{**(cfg or {}), **extra})
+
+    if variant == "hf-generate":
+        return _Server(variant, model, None, None)
+    if variant == "cb+metainfer":
+        opt = metainfer.optimize(model, target, lowering=lowering, cache_dir=cache_dir)
+        return _Server(variant, model,
+                       lambda ps, n, cfg: opt.generate_batch(ps, generation_config=_greedy(model, n),
+                                                             continuous_batching_config=engine_cfg(cfg),
+                                                             record_timestamps=True),
+                       lambda n, cfg: opt.init_continuous_batching(generation_config=_greedy(model, n),
+                                                                   continuous_batching_config=engine_cfg(cfg)),
+                       graphs=lambda: len(opt.report.sections),
+                       notes=lambda: _latest_by_kind(n for n in opt.report.notes if n.startswith("serving")))
+    extra = {}
+    counted = [0]
+    if variant == "cb+inductor":
+        compiled = CompileConfig(backend="inductor", mode=None, dynamic=True)
+        extra = dict(varlen_compile_config=compiled, decode_compile_config=compiled)
+
+    def batch(ps, n, cfg):
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        out = model.generate_batch(ps, generation_config=_greedy(model, n), continuous_batching_config=engine_cfg(
+            cfg, **extra), record_timestamps=True)
+        counted[0] += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        return out
+
+    def manager(n, cfg):
+        return model.init_continuous_batching(generation_config=_greedy(model, n),
+                                              continuous_batching_config=engine_cfg(cfg, **extra))
+
+    if variant == "cb-tuned":
+        base = dict(cb_config or {})
+        base.setdefault("num_blocks", workload_blocks(workload, base.get("page_size", 256)))
+        return _TunedServer(model, base, lambda ps, n, cfg: batch(ps, n, cfg), manager)
+    return _Server(variant, model, lambda ps, n, _cfg: batch(ps, n, cb_config), lambda n, _cfg: manager(n, cb_config),
+                   graphs=(lambda: counted[0]) if variant == "cb+inductor" else (lambda: None))
+
+
+def _latest_by_kind(notes) -> list[str]:
+    """The last note of each kind ("serving capacity: ...", "serving run: ..."), in first-seen order."""
+    kinds: dict[str, str] = {}
+    for n in notes:
+        kinds[n.split(":")[0]] = n
+    return list(kinds.values())
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _static_batches(model, prompts, outputs, batch: int):
@@ -311,21 +422,32 @@ def _static_batches(model, prompts, outputs, batch: int):
 
 
 def table(rows: list[Row]) -> str:
-    base = {r.variant: r for r in rows}.get("cb")
-    head = ("variant", "input tok/s", "output tok/s", "vs cb", "TTFT ms", "TPOT ms", "peak MiB", "graphs",
-            "first run s", "same tokens")
+    """The rows side by side; ratios against the tuned plain engine where it ran, else the plain one."""
+    by = {r.variant: r for r in rows}
+    base = by.get("cb-tuned") or by.get("cb")
+    name = base.variant if base else "-"
+    refs = any(r.reference_equal is not None for r in rows)
+    head = ("variant", "input tok/s", "output tok/s", f"vs {name}", "TTFT ms", "TPOT ms", "peak MiB", "graphs",
+            "first run s", f"first vs {name}", "same tokens as cb") + (("= reference", "ref. prefix") if refs else ())
     lines = [head]
     for r in rows:
         ratio = f"{r.input_tps / base.input_tps:.2f}x" if base else "-"
-        lines.append((r.variant, f"{r.input_tps:.0f}", f"{r.output_tps:.0f}", ratio,
-                      "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f}",
-                      "-" if r.tpot_s is None else f"{r.tpot_s * 1e3:.1f}", f"{r.peak_mib:.0f}",
-                      "-" if r.graphs is None else str(r.graphs), f"{r.first_run_seconds:.1f}",
-                      "-" if r.same_tokens is None else f"{r.same_tokens}/{r.requests}"))
+        first = f"{r.first_run_seconds / base.first_run_seconds:.2f}x" if base else "-"
+        cells = (r.variant, f"{r.input_tps:.0f}", f"{r.output_tps:.0f}", ratio,
+                 "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f}",
+                 "-" if r.tpot_s is None else f"{r.tpot_s * 1e3:.1f}", f"{r.peak_mib:.0f}",
+                 "-" if r.graphs is None else str(r.graphs), f"{r.first_run_seconds:.1f}", first,
+                 "-" if r.same_tokens is None else f"{r.same_tokens}/{r.requests}")
+        if refs:
+            cells += ("-" if r.reference_equal is None else f"{r.reference_equal}/{r.requests}",
+                      "-" if r.reference_prefix is None else f"{r.reference_prefix:.0%}")
+        lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines]
     for r in rows:
         out += [f"{r.variant}: {n}" for n in r.notes]
+        if len(r.rounds) > 1:
+            out.append(f"{r.variant}: measured rounds " + ", ".join(f"{x:.2f} s" for x in r.rounds))
     return "\n".join(out)
 
 

@@ -109,6 +109,34 @@ def test_cpu_path_batches_shared_prefixes_and_short_chunks(groups, chunks, hkv, 
     close(P.cpu_forward(*args, 0.3), P.reference(q, kp, vp, ki, cu_q, cu_k, 0.3), dtype)
 
 
+@settings(max_examples=25, deadline=None)
+@given(contexts=st.lists(st.integers(1, 700), min_size=1, max_size=12), hkv=st.integers(1, 2), group=st.integers(1, 3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
+def test_decode_requests_of_very_different_lengths(contexts, hkv, group, dtype, seed):
+    """A decode step whose requests' contexts range widely (a long tail): the length classes'
+    padded calls against the reference, per request."""
+    args = batch([(1, c) for c in contexts], hkv, group, 16, 16, dtype, seed=seed)
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = args
+    close(P.cpu_forward(*args, 0.3), P.reference(q, kp, vp, ki, cu_q, cu_k, 0.3), dtype)
+
+
+def test_length_classes_bound_the_padding():
+    # by hand, waste 1.25: 10, 11, 12 pad to 36 <= 1.25 x 33; adding 40 would pad to 160 > 1.25 x 73;
+    # 40, 41 pad to 82 <= 1.25 x 81; adding 100 would pad to 300 > 1.25 x 181
+    assert P.length_classes([100, 41, 10, 12, 40, 11], 1.25) == [[2, 5, 3], [4, 1], [0]]
+    assert P.length_classes([7, 7, 7], 1.0) == [[0, 1, 2]]
+    assert P.length_classes([], 1.25) == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), max_size=40), waste=st.floats(1.0, 4.0))
+def test_length_classes_partition_and_respect_the_bound(lengths, waste):
+    groups = P.length_classes(lengths, waste)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= waste * sum(lengths[i] for i in g)
+
+
 def test_shared_prefixes_are_found_from_the_pool_rows():
     """Two groups (shared prefixes of 70 and 64 keys), one request alone, one group below the minimum."""
     q, kp, vp, ki, cu_q, cu_k, mq, mk = shared_prefix_batch(

@@ -20,9 +20,10 @@ Workloads (HF Llama, hidden 512 x 4 layers, 8 heads / 2 kv heads, vocab 32000, f
   against the plain engine at its best max_batch_tokens (`cb-tuned`), each sizing its pool for
   the workload; tokens scored against the float32 plain engine's (the reference for bf16);
 - decode-heavy: 32 requests of 16-128 prompt tokens and 128 new tokens each, the same variants;
-- cold-start (`--only cold-start`): the long-tail batch served once by a fresh process, plain and
-  with metainfer on an empty compile cache, then with metainfer again in a new process on the
-  cache the first left warm.
+- cold-start (`--only cold-start`): the long-tail batch served once by a fresh process: plain;
+  metainfer (its default policy: compile only once it pays) on an empty compile cache; metainfer
+  compiling at the first step, on an empty cache and on the cache that left; metainfer's default
+  again on that warm cache.
 The main and shared-prefix runs give every engine the same explicit pool and batch size.
 Rows of a workload are served `--rounds` times (default 3), interleaved; the first round includes
 compiles (the "first run" column), the table gives the median of the others.
@@ -43,7 +44,7 @@ from metainfer import servebench
 SAME = dict(num_blocks=96, page_size=256, max_batch_tokens=2048)
 WORKLOADS = ("main", "shared-prefix", "engine-defaults", "compiles", "long-tail", "decode-heavy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TUNED = ("cb-tuned", "cb+metainfer")  # the long-tail and decode-heavy comparisons
+TUNED = ("cb-tuned", "cb+metainfer", "cb+metainfer-auto")  # the long-tail and decode-heavy comparisons
 
 
 def long_tail() -> "servebench.Workload":
@@ -135,34 +136,38 @@ def main(argv=None) -> int:
 
 
 def cold_start(model_name: str, dtypes, threads: int | None) -> dict:
-    """The long-tail batch served once by a fresh process: plain (at its tuned max_batch_tokens
-    and the pool of the workload), metainfer on an empty compile cache, metainfer again on the
-    cache the previous process left. Wall time from the call to the last result."""
+    """The long-tail batch served once by a fresh process each: plain (at its tuned
+    max_batch_tokens, the pool of the workload); metainfer with its default policy on an empty
+    compile cache; metainfer compiling at the first step on an empty cache, then again on the
+    cache that left (the cost of compiling, cold and warm); metainfer's default policy once more,
+    on that warm cache with its measured compile times. Wall time from the call to the last result."""
     import tempfile
 
+    runs = (("plain", "cb", "auto"), ("metainfer, empty cache", "cb+metainfer", "auto"),
+            ("metainfer compiling at once, empty cache", "cb+metainfer", "always"),
+            ("metainfer compiling at once, warm cache", "cb+metainfer", "always"),
+            ("metainfer, warm cache", "cb+metainfer", "auto"))
     out = {}
     for dtype in dtypes:
         with tempfile.TemporaryDirectory() as cache:
             times = {}
-            for label, variant in (("plain", "cb"), ("metainfer, cold cache", "cb+metainfer"),
-                                   ("metainfer, warm cache", "cb+metainfer")):
+            for label, variant, policy in runs:
                 proc = subprocess.run([sys.executable, __file__, "--first-batch", variant, "--model", model_name,
-                                       "--dtype", dtype, "--cache", cache] + (["--threads", str(threads)] if threads else []),
-                                      capture_output=True, text=True)
-                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("first batch")]
-                if proc.returncode or not line:
+                                       "--dtype", dtype, "--cache", cache, "--serve-compile", policy]
+                                      + (["--threads", str(threads)] if threads else []), capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("first batch", "  serving compile"))]
+                if proc.returncode or not lines:
                     raise RuntimeError(f"cold-start run {label} failed:\n{proc.stderr[-3000:]}")
-                times[label] = float(line[-1].split()[2])
-                print(f"{dtype} {label}: {line[-1]}")
+                times[label] = float(lines[0].split()[2])
+                print(f"{dtype}, {label}: " + "\n    ".join(lines))
             base = times["plain"]
-            print(f"== cold-start {dtype}: plain {base:.1f} s; metainfer cold cache {times['metainfer, cold cache']:.1f} s "
-                  f"({times['metainfer, cold cache'] / base:.2f}x), warm cache {times['metainfer, warm cache']:.1f} s "
-                  f"({times['metainfer, warm cache'] / base:.2f}x)")
+            print(f"== cold-start {dtype}: " + "; ".join(f"{k} {v:.1f} s ({v / base:.2f}x)" for k, v in times.items()))
             out[dtype] = times
     return out
 
 
-def first_batch(variant: str, model_name: str, dtype: str, cache: str, threads: int | None) -> None:
+def first_batch(variant: str, model_name: str, dtype: str, cache: str, threads: int | None,
+                serve_compile: str = "auto") -> None:
     """One process, one batch (the long-tail workload): its wall time including everything the
     first call does (compiles, warm-up), and the report's serving notes."""
     from transformers import ContinuousBatchingConfig
@@ -183,11 +188,11 @@ def first_batch(variant: str, model_name: str, dtype: str, cache: str, threads: 
         print(f"first batch {time.perf_counter() - t0:.2f} s")
         return
     t0 = time.perf_counter()
-    opt = metainfer.optimize(model, "cpu", cache_dir=cache)
+    opt = metainfer.optimize(model, "cpu", cache_dir=cache, serve_compile=serve_compile)
     opt.generate_batch(prompts, generation_config=gen)
     print(f"first batch {time.perf_counter() - t0:.2f} s ({len(opt.report.sections)} graphs)")
     for n in opt.report.notes:
-        if n.startswith("serving"):
+        if n.startswith("serving compile"):
             print("  " + n)
 
 
@@ -256,7 +261,8 @@ if __name__ == "__main__":
         fb.add_argument("--dtype", choices=DTYPES, default="float32")
         fb.add_argument("--cache", required=True)
         fb.add_argument("--threads", type=int)
+        fb.add_argument("--serve-compile", default="auto")
         x = fb.parse_args()
-        first_batch(x.first_batch, x.model, x.dtype, x.cache, x.threads)
+        first_batch(x.first_batch, x.model, x.dtype, x.cache, x.threads, x.serve_compile)
         sys.exit(0)
     sys.exit(main())

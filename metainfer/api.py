@@ -20,6 +20,7 @@ from metainfer.inputs import ModelInputs, check_devices
 from metainfer.lowering.backend import LOWERINGS, MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
+from metainfer.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
 
 
@@ -30,13 +31,15 @@ class OptimizedModel:
     Attributes it does not have are read from the model."""
 
     def __init__(self, model: torch.nn.Module, backend: MetainferBackend, *, dynamic: bool | None,
-                 dump_dir: str | None):
+                 dump_dir: str | None, serve_compile: str = "auto"):
         self.model = model
         self._backend = backend
         self._forward = model.forward  # bound; what the compiled graphs compute
         self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
         # a serving engine's packed steps change size every step: symbolic from the first one
         self._compiled_packed = torch.compile(self._forward, backend=backend, dynamic=True)
+        self._serving_graph = self._compiled_packed  # what a serving step runs once compiled
+        self._serve_compile = ServingCompile(self, serve_compile)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
         self._inputs = ModelInputs(model)
@@ -124,18 +127,28 @@ class OptimizedModel:
             name = self._backend.phase = phase(kwargs, tokens)
             self._backend.call_starts()
             packed = step is not None or (symbolic is not None and symbolic(kwargs, tokens))
-            if observe is not None:
-                graphs, start = len(self.report.sections), time.perf_counter()
+            fn = self._compiled_packed if packed else self._compiled
+            shapes = contextlib.nullcontext()
+            if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
+                fn = self._serving_graph if step.use_compiled(self._serve_compile, tokens) else self._forward
+                shapes = _one_serving_graph()
+            graphs, start = len(self.report.sections), time.perf_counter()
             with (torch.no_grad(), capture.capturable(self.model) as notes,
-                  step(kwargs) if step is not None else contextlib.nullcontext()):
+                  step(kwargs) if step is not None else contextlib.nullcontext(), shapes):
                 try:
-                    out = (self._compiled_packed if packed else self._compiled)(*args, **kwargs)
+                    out = fn(*args, **kwargs)
                 except torch._dynamo.exc.TorchDynamoException as e:
                     raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
-            if observe is not None:
+            if observe is not None or (step is not None and fn is self._forward):
                 if self.target.device.kind == "cuda":  # launches return early: time the work
                     torch.cuda.synchronize()
-                observe(name, tokens, time.perf_counter() - start, len(self.report.sections) != graphs)
+            seconds = time.perf_counter() - start
+            if observe is not None:
+                observe(name, tokens, seconds, len(self.report.sections) != graphs)
+            if step is not None:
+                new = self.report.sections[graphs:]
+                self._serve_compile.ran(seconds, tokens, fn is not self._forward, bool(new),
+                                        warm=any(s.from_cache for s in new))
             finish()
             for note in notes:
                 if note not in self.report.notes:
@@ -180,6 +193,17 @@ class OptimizedModel:
         return f"<metainfer.OptimizedModel of {type(self.model).__name__} for {self.target.name}>"
 
 
+def _one_serving_graph():
+    """Dynamo's shape settings for a serving step (thread-local in torch 2.13, so set around each
+    call on the engine's thread): equal sizes not assumed equal (a chunk of 512 tokens over a
+    512-row index would otherwise compile a graph of its own). With no step reading an empty
+    index (metainfer.serving), the steps of several tokens take one graph, and steps of one
+    token another (Dynamo specialises sizes of 1; size-oblivious sizes break models' views)."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(use_duck_shape=False)
+
+
 _MISSING = object()
 _LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
@@ -221,7 +245,7 @@ def _validate_model(model, target) -> None:
 
 
 def _build(model, target, passes, disable, lowering, pass_options, capture, cache_dir, dynamic,
-           dump_dir=None) -> OptimizedModel:
+           dump_dir=None, serve_compile: str = "auto") -> OptimizedModel:
     target = _targets.get(target)
     _validate_model(model, target)
     chosen, disabled, explicit = resolve(target, passes, disable)
@@ -239,7 +263,7 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     # forward; allow more than the default 8 so a process can optimize many models.
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
-    return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir)
+    return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile)
 
 
 def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passes: Iterable | None = None,
@@ -247,7 +271,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
              lowering: str | None = None, pass_options: dict | None = None,
              cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None,
              emulate: bool = False, tensor_parallel: int | None = None,
-             expert_parallel: bool | None = None) -> OptimizedModel:
+             expert_parallel: bool | None = None, serve_compile: str | None = None) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -271,6 +295,10 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         planner's fastest decode plan that metainfer executes.
     expert_parallel: inside a job, spread MoE models' routed experts over each tensor-parallel
         group; None (default) follows the same planner choice.
+    serve_compile: when a serving engine's steps (generate_batch, init_continuous_batching)
+        switch from eager to the compiled graph: "auto" (default; once the compile's measured or
+        predicted cost is at most 20% of the eager serving time, metainfer.serve_compile),
+        "always" (at the first step), "never"; $METAINFER_SERVE_COMPILE sets the default.
 
     Inside a torch.distributed job of several ranks the model is sharded in place for tensor
     parallelism over each group of tp consecutive ranks (its plan: Hugging Face's
@@ -278,6 +306,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     equal the unsharded model's on that rank's inputs.
     """
     args, kwargs = _as_args(example_inputs)
+    if serve_compile is not None and serve_compile not in SERVE_COMPILE_MODES:
+        raise ValueError(f"serve_compile must be one of {', '.join(SERVE_COMPILE_MODES)}, not {serve_compile!r}")
     if verify and example_inputs is None:
         raise ValueError("verify=True needs example_inputs to compare eager and optimized outputs on")
     from metainfer import distributed
@@ -288,7 +318,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None
     opt = _build(model, t, passes, disable, lowering, pass_options, capture=verify, cache_dir=cache_dir,
-                 dynamic=dynamic, dump_dir=dump)
+                 dynamic=dynamic, dump_dir=dump,
+                 serve_compile=serve_compile or os.environ.get("METAINFER_SERVE_COMPILE") or "auto")
     opt.report.notes.extend(dist_notes)
     if example_inputs is None:
         return opt

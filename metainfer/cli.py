@@ -336,7 +336,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--arrival-rate", type=float, metavar="R", help="synthetic: Poisson arrivals at R requests/s "
                    "(default: all at once)")
     b.add_argument("--variants", nargs="+", default=("hf-generate", "cb", "cb+inductor", "cb+metainfer"),
-                   choices=("hf-generate", "cb", "cb+inductor", "cb+metainfer"), help="what to compare (default all)")
+                   choices=("hf-generate", "cb", "cb-tuned", "cb+inductor", "cb+metainfer", "cb+metainfer-auto"),
+                   help="what to compare (default: hf-generate cb cb+inductor cb+metainfer); cb-tuned: the plain "
+                   "engine at its best max_batch_tokens; cb+metainfer compiles at the first step, cb+metainfer-auto "
+                   "once compiling pays (the default of optimize())")
     b.add_argument("--num-blocks", type=_positive_int, metavar="N", help="KV pool blocks for every engine "
                    "(default: each engine sizes its own)")
     b.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step for every "

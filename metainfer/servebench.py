@@ -19,7 +19,10 @@ Variants:
   TUNED_BATCH_TOKENS in the first round), pool sized for the workload unless given;
 - `cb+inductor`: the same with the engine's compile configs set to Inductor;
 - `cb+metainfer`: OptimizedModel.generate_batch (metainfer's graphs, paged attention kernel,
-  KV pool sized by metainfer).
+  KV pool sized by metainfer), the graphs compiled at the first step (serve_compile="always":
+  the steady state of a server);
+- `cb+metainfer-auto`: the same with metainfer's default policy (eager steps until compiling
+  pays, metainfer.serve_compile): what a one-off batch gets.
 
 Each variant serves the workload `rounds` times (at least twice), the variants interleaved
 round by round; the first run (compiles, warm-up) and the later ones are timed, and the table
@@ -44,7 +47,7 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("hf-generate", "cb", "cb-tuned", "cb+inductor", "cb+metainfer")
+VARIANTS = ("hf-generate", "cb", "cb-tuned", "cb+inductor", "cb+metainfer", "cb+metainfer-auto")
 
 
 @dataclass
@@ -341,14 +344,15 @@ def _server(variant, model, workload, target, cb_config, lowering, cache_dir) ->
 
     if variant == "hf-generate":
         return _Server(variant, model, None, None)
-    if variant == "cb+metainfer":
-        opt = metainfer.optimize(model, target, lowering=lowering, cache_dir=cache_dir)
+    if variant in ("cb+metainfer", "cb+metainfer-auto"):
+        opt = metainfer.optimize(model, target, lowering=lowering, cache_dir=cache_dir,
+                                 serve_compile="always" if variant == "cb+metainfer" else "auto")
         return _Server(variant, model,
                        lambda ps, n, cfg: opt.generate_batch(ps, generation_config=_greedy(model, n),
-                                                             continuous_batching_config=engine_cfg(cfg),
+                                                             continuous_batching_config=engine_cfg(cfg or cb_config),
                                                              record_timestamps=True),
                        lambda n, cfg: opt.init_continuous_batching(generation_config=_greedy(model, n),
-                                                                   continuous_batching_config=engine_cfg(cfg)),
+                                                                   continuous_batching_config=engine_cfg(cfg or cb_config)),
                        graphs=lambda: len(opt.report.sections),
                        notes=lambda: _latest_by_kind(n for n in opt.report.notes if n.startswith("serving")))
     extra = {}

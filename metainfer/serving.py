@@ -102,12 +102,19 @@ def paged_attention_unsupported(model) -> str | None:
 
 class _Step:
     """Per engine forward: the cache's update made traceable, the pool active for the op; counts
-    the steps and the query tokens they computed."""
+    the steps and the query tokens they computed. `total`: the query tokens the engine is known
+    to compute in all (a batch's), which tells the compile policy what work is left."""
 
-    def __init__(self, paged: bool):
+    def __init__(self, paged: bool, total: int | None = None):
         self.paged = paged
+        self.total = total
         self.steps = 0
         self.tokens = 0
+
+    def use_compiled(self, policy, tokens: int) -> bool:
+        """Whether this step, of `tokens` query tokens, runs a compiled graph (metainfer.serve_compile
+        decides)."""
+        return policy.use_compiled(tokens, max(0, self.total - self.tokens) if self.total is not None else 0)
 
     def __call__(self, kwargs):
         ids = kwargs.get("input_ids")
@@ -116,6 +123,11 @@ class _Step:
         cache = kwargs.get("cache")
         if not self.paged or cache is None:
             return contextlib.nullcontext()
+        # nothing cached yet: the engine reads no key (the new ones are used as they are); ours
+        # read them back from the rows just written (the same values), so no step has an empty index
+        if any(r.numel() == 0 for r in kwargs.get("read_index", ())):
+            kwargs["read_index"] = [w.clone() if r.numel() == 0 else r  # a copy: an input aliasing another is a guard
+                                    for r, w in zip(kwargs["read_index"], kwargs["write_index"])]
         if getattr(cache.update, "__func__", None) is not _update:
             cache.update = types.MethodType(_update, cache)  # this cache instance only
 
@@ -126,6 +138,22 @@ class _Step:
         from metainfer.lowering import kv_pool
 
         return kv_pool.active(views)
+
+
+# a packed step's sizes: query tokens (last dim), requests, keys read and written per layer group
+_STEP_SIZES = {"input_ids": -1, "position_ids": -1, "logits_indices": 0, "logits_to_keep": 0, "cu_seq_lens_q": 0,
+               "cu_seq_lens_k": 0, "read_index": 0, "write_index": 0}
+
+
+def _at_least_one(kwargs) -> None:
+    """Mark the step's sizes symbolic from 1 up: with Dynamo's size-oblivious sizes (see
+    api._one_serving_graph) a size could otherwise be 0, where a view inferring a dimension
+    (-1) divides by it. No step has an empty one (an empty read index is replaced before)."""
+    for name, dim in _STEP_SIZES.items():
+        value = kwargs.get(name)
+        for t in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[dim] >= 1:
+                torch._dynamo.mark_dynamic(t, dim % t.dim(), min=1, max=1 << 40)
 
 
 def step_label(kwargs) -> str:
@@ -199,9 +227,15 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = shape.kv_bytes_per_token()
     act_per_token = planner._activation_per_token(shape, planner.Plan(tp=1, dp=1, pp=1, ep=1))
-    rows = len(request_tokens) if request_tokens else 256  # logits rows of one step (float32)
-    activations = max_batch_tokens * act_per_token + rows * shape.vocab * 4
-    block_bytes = kv_per_token * page_size
+    # logits rows of one step (float32): the engine plans for its 1024 requests a step when the
+    # workload is not known
+    rows = len(request_tokens) if request_tokens else 1024
+    activations = max_batch_tokens * act_per_token + rows * (shape.hidden * shape.act_bytes + shape.vocab * 4)
+    # each cached token also costs what a step reads back of it at the attention peak (one layer's
+    # keys and values gathered; an MLA layer's latents decompressed to heads): the engine refuses a
+    # pool whose footprint with these passes what it sees available
+    read_per_token = _read_bytes_per_token(cfg, shape.act_bytes)
+    block_bytes = (kv_per_token + read_per_token) * page_size
     device = next(model.parameters()).device
     free, source = available if available is not None else available_memory(device)
     share = HOST_MEMORY_SHARE if device.type == "cpu" else planner.MEMORY_UTILIZATION
@@ -228,9 +262,24 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
                   f"{by_memory})" if num_blocks == need else f"{memory}; the workload could use {need}")
     else:
         num_blocks, reason = by_memory, memory
-    why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * block_bytes / 2**20:.1f} MiB, "
-           f"{kv_per_token:.0f} B per token): {reason}; max_batch_tokens {max_batch_tokens}")
+    why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * page_size * kv_per_token / 2**20:.1f} MiB, "
+           f"{kv_per_token:.0f} B per token, {read_per_token:.0f} B more per token read back in a step): {reason}; "
+           f"max_batch_tokens {max_batch_tokens}")
     return Capacity(num_blocks, page_size, max_batch_tokens, why)
+
+
+def _read_bytes_per_token(cfg, act_bytes: int) -> int:
+    """Bytes a step reads back for each cached token at the attention peak, as transformers'
+    engine counts it for flash-style attention (cache.py, PagedAttentionMemoryHandler.
+    kv_numel_at_peak): one layer's keys and values, or an MLA layer's two latents and the keys and
+    values they decompress into (values padded to the key head dim where they differ)."""
+    if getattr(cfg, "kv_lora_rank", None) is None:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return 2 * kv_heads * head_dim * act_bytes
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    expanded = cfg.qk_nope_head_dim + cfg.v_head_dim + qk + (qk if cfg.v_head_dim != qk else 0)
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.num_attention_heads * expanded) * act_bytes
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -317,9 +366,10 @@ def attention(opt):
 
 
 @contextlib.contextmanager
-def forwards(opt, paged: bool):
-    """While the engine runs: its forwards through the compiled graphs. Yields the step counter."""
-    step = _Step(paged)
+def forwards(opt, paged: bool, total: int | None = None):
+    """While the engine runs: its forwards through metainfer (the compiled graph once compiling
+    pays). Yields the step counter."""
+    step = _Step(paged, total)
     with opt._installed(lambda kw, n: (lambda: step_label(kw)), step=step):
         yield step
 
@@ -352,7 +402,9 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
     if good:
         hints = WorkloadHints(max_prompt_length=max(len(prompts[i]) for i in good), max_generated_length=max_new,
                               num_requests=len(good))
-        with attention(opt) as paged, forwards(opt, paged) as steps, model.continuous_batching_context_manager(
+        # query tokens the batch computes: every prompt, and every new token but the last fed back
+        total = sum(len(prompts[i]) for i in good) + len(good) * max(0, max_new - 1)
+        with attention(opt) as paged, forwards(opt, paged, total) as steps, model.continuous_batching_context_manager(
                 generation_config=generation_config, continuous_batching_config=cfg, block=True, timeout=60,
                 warmup=warmup, workload_hints=hints) as manager:
             ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new,
@@ -381,6 +433,7 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
         opt.report.notes.append(f"serving run: {len(good)} requests, {steps.steps} steps, {steps.tokens} query tokens "
                                 f"computed; {max(0, reused)} of {prompt_tokens} prompt tokens "
                                 f"({max(0, reused) / max(1, prompt_tokens):.0%}) reused from cached prefix blocks")
+        opt.report.notes.append(opt._serve_compile.note())
     ordered = {}
     for i, p in enumerate(prompts):
         if problems[i] is not None:

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if "engine-defaults" in a.only:
         w = servebench.Workload.synthetic(32, prompt=(64, 512), output=32, seed=1)
         rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants],
-                              rounds=a.rounds)
+                              rounds=a.rounds, engine_sizing=True)
         print("\n== engine-defaults: the main workload, each engine sizing its own pool and batch")
         print(servebench.table(rows))
         results["engine-defaults"] = [r.to_dict() for r in rows]

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import attention
 from ._common import check, check_float, interpreted, next_pow2
-from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
+from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
 MAX_HEAD_DIM = 256
@@ -52,9 +52,11 @@ def _paged_fwd(
     stride_vr, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     group, head_d, head_dv, num_q_heads, total_q, blocks_per_request, split_keys,
-    scale,
+    scale, softcap, window,
     KEYS_IN_ORDER: tl.constexpr,  # no key index: request r's keys are rows cu_k[r]: of K / V
     SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,  # keys before each query's sliding window are dropped
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
@@ -89,6 +91,11 @@ def _paged_fwd(
     last_t = tl.minimum((mb + 1) * BLOCK_M - 1, len_q * group - 1) // group  # the block's last token
     hi = tl.minimum(tl.minimum(len_k, lo + split_keys), last_t + offset + 1)
     hi = tl.where(mb * BLOCK_M < len_q * group, hi, lo)  # a block past this request's rows: nothing to do
+    if WINDOW:
+        # the block's first token sees keys from (its index + offset - window + 1): start at the
+        # key block holding that one
+        first = (mb * BLOCK_M) // group + offset - window + 1
+        lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi
@@ -99,7 +106,11 @@ def _paged_fwd(
         kt = tl.load(K + kr[None, :] * stride_kr + hk * stride_kh + offs_d[:, None] * stride_kd,
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
         s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         keep = row_ok[:, None] & col_ok[None, :] & (offs_n[None, :] <= t[:, None] + offset)
+        if WINDOW:
+            keep = keep & (offs_n[None, :] > t[:, None] + offset - window)
         s = tl.where(keep, s, float("-inf"))
         p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(V + kr[:, None] * stride_vr + hk * stride_vh + offs_dv[None, :] * stride_vd,
@@ -121,7 +132,8 @@ def _paged_fwd(
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
 
 
-def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> None:
+def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
+                 window: int = 0, softcap: float = 0.0) -> None:
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         check_float(NAME, name, t)
         check(t.dim() == 3, NAME, f"{name} must be 3-D (tokens or rows, heads, head_dim), got {tuple(t.shape)}")
@@ -146,6 +158,10 @@ def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: in
     check(isinstance(max_q, int) and isinstance(max_k, int) and max_q >= 0 and max_k >= 0, NAME,
           f"max_q and max_k must be non-negative ints, got {max_q!r}, {max_k!r}")
     check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be finite, got {scale!r}")
+    check(isinstance(window, int) and not isinstance(window, bool) and window >= 0, NAME,
+          f"window must be an int >= 0 (0: none), got {window!r}")
+    check(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+          and softcap >= 0, NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
 
 
 def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
@@ -158,11 +174,11 @@ def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
     return max(1, min(config.get("MAX_SPLITS", 8), triton.cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
 
 
-def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float, *,
-           config: dict) -> torch.Tensor:
+def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
+           window: int = 0, softcap: float = 0.0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. max_q / max_k (the longest request's query and key counts) size
     the grid without reading cu_q / cu_k on the host."""
-    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
+    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
     Tq, Hq, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
     out = torch.empty((Tq, Hq, Dv), dtype=q.dtype, device=q.device)
@@ -183,8 +199,9 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
         q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws_acc, ws_ml,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
         group, D, Dv, Hq, Tq, blocks, split_keys,
-        float(scale),
-        KEYS_IN_ORDER=key_index is None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        float(scale), float(softcap or 1.0), int(window),
+        KEYS_IN_ORDER=key_index is None, SPLIT=splits > 1, SOFTCAP=softcap > 0, WINDOW=window > 0,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
@@ -201,7 +218,8 @@ def _requests(cu_q, cu_k):
     return [((cq[i], cq[i + 1]), (ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
-def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float) -> torch.Tensor:
+def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
     """Plain math in float32 per request (K/V gathered and expanded, full score matrix)."""
     out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
     group = q.shape[1] // k_pool.shape[1]
@@ -210,15 +228,20 @@ def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float) -> torch.T
         k = k_pool[rows].float().repeat_interleave(group, dim=1).transpose(0, 1)  # (Hq, Sk, D)
         v = v_pool[rows].float().repeat_interleave(group, dim=1).transpose(0, 1)
         s = (q[q0:q1].float().transpose(0, 1) @ k.transpose(1, 2)) * scale  # (Hq, Sq, Sk)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         sq, sk = q1 - q0, k1 - k0
-        keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+        j, i = torch.arange(sk, device=q.device)[None, :], torch.arange(sq, device=q.device)[:, None]
+        keep = j <= i + sk - sq
+        if window:
+            keep &= j > i + sk - sq - window
         p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(nan=0.0)
         out[q0:q1] = (p @ v).transpose(0, 1).to(q.dtype)
     return out
 
 
 def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
-                plans: dict | None = None) -> torch.Tensor:
+                plans: dict | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """CPU path: torch's fused SDPA kernels on keys gathered from the pool (O(the keys used)),
     few calls per step, since on CPU a call costs about as much as a short request's attention:
     - decode requests (one query token, every key kept) in a few calls by length class, each
@@ -228,16 +251,22 @@ def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int
     - short prompt chunks of similar length in one padded, masked call;
     - every other request in its own call: causal SDPA for a fresh prompt, and for a chunk after
       cached tokens the flash kernel on the cached and the new keys, merged (_after_cache).
-    How the step's requests are grouped (the Plan) depends only on cu_q, cu_k and key_index;
-    `plans`, a dict that lives for one serving step, lets every layer of the step reuse it
-    (keyed by the index tensors' addresses: the step must not modify them in place)."""
-    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
+    With a sliding window each request reads only the keys its queries' windows reach (a decode
+    token its last `window`), the band masked in padded calls; soft-capped scores (which SDPA
+    cannot cap) take attention.cpu_forward per request.
+    How the step's requests are grouped (the Plan) depends only on cu_q, cu_k, key_index and the
+    window; `plans`, a dict that lives for one serving step, lets every layer of the step reuse
+    it (keyed by the index tensors' addresses: the step must not modify them in place)."""
+    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
+    if softcap:
+        return _per_request(q, k_pool, v_pool, key_index, cu_q, cu_k, scale, window, softcap)
     flash_ok = q.dtype == k_pool.dtype and v_pool.shape[-1] == q.shape[-1]
     if plans is None:
-        plan = Plan(q.shape[0], key_index, cu_q, cu_k, flash_ok)
+        plan = Plan(q.shape[0], key_index, cu_q, cu_k, flash_ok, window)
     else:
-        key = (q.shape[0], flash_ok) + tuple((t.data_ptr(), t.numel()) for t in (cu_q, cu_k, key_index) if t is not None)
-        plan = plans.get(key) or plans.setdefault(key, Plan(q.shape[0], key_index, cu_q, cu_k, flash_ok))
+        key = (q.shape[0], flash_ok, window) + tuple((t.data_ptr(), t.numel()) for t in (cu_q, cu_k, key_index)
+                                                     if t is not None)
+        plan = plans.get(key) or plans.setdefault(key, Plan(q.shape[0], key_index, cu_q, cu_k, flash_ok, window))
     out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k_pool.shape[1]
     if plan.decode is not None:
@@ -248,10 +277,32 @@ def cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int
         sq, sk = q1 - q0, k1 - k0
         k, v = (k_pool[k0:k1], v_pool[k0:k1]) if rows is None else (_take(k_pool, rows), _take(v_pool, rows))
         qr, k, v = q[q0:q1].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if sk == sq:
+        if window:
+            o = attention.cpu_forward(qr, k, v, None, scale, True, sk - sq, True, 0.0, window)
+        elif sk == sq:
             o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             o = _after_cache(qr, k, v, sk - sq, scale)
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out
+
+
+def _windowed(requests, window: int):
+    """Each request's keys cut to those its queries' windows reach: the first query (position
+    past) sees keys from past - window + 1 on."""
+    if not window:
+        return requests
+    return [((q0, q1), (k0 + max(0, (k1 - k0) - (q1 - q0) - window + 1), k1)) for (q0, q1), (k0, k1) in requests]
+
+
+def _per_request(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float, window: int, softcap: float):
+    """One attention.cpu_forward call per request (soft-capped scores, chunked, windowed)."""
+    out = torch.empty((q.shape[0], q.shape[1], v_pool.shape[2]), dtype=q.dtype, device=q.device)
+    for (q0, q1), (k0, k1) in _windowed(_requests(cu_q, cu_k), window):
+        rows = torch.arange(k0, k1, device=q.device) if key_index is None else key_index[k0:k1]
+        k, v = _take(k_pool, rows).transpose(0, 1)[None], _take(v_pool, rows).transpose(0, 1)[None]
+        o = attention.cpu_forward(q[q0:q1].transpose(0, 1)[None], k, v, None, scale, True, (k1 - k0) - (q1 - q0),
+                                  True, softcap, window)
         out[q0:q1] = o[0].transpose(0, 1)
     return out
 
@@ -264,13 +315,14 @@ MIN_SHARED = 64  # keys a group of decode requests must share to be attended onc
 class Plan:
     """How the CPU path runs one step's requests: index tensors and masks built once per step."""
 
-    def __init__(self, total_q: int, key_index, cu_q, cu_k, flash_ok: bool):
+    def __init__(self, total_q: int, key_index, cu_q, cu_k, flash_ok: bool, window: int = 0):
         device = cu_q.device
-        requests = _requests(cu_q, cu_k)
+        requests = _windowed(_requests(cu_q, cu_k), window)
         decode = [r for r in requests if r[0][1] - r[0][0] == 1]
-        self.decode = _DecodePlan(decode, key_index, flash_ok, device) if decode else None
+        # a decode token's window is all it reads: no mask; a shared prefix is not worth finding
+        self.decode = _DecodePlan(decode, key_index, flash_ok and not window, device) if decode else None
         batches, alone = _chunk_batches([r for r in requests if r[0][1] - r[0][0] > 1])
-        self.chunk_batches = [_ChunkPlan(b, key_index, device) for b in batches]
+        self.chunk_batches = [_ChunkPlan(b, key_index, device, window) for b in batches]
         self.alone = [(rq, rk, None if key_index is None else key_index[rk[0]:rk[1]]) for rq, rk in alone]
 
 
@@ -318,7 +370,7 @@ class _ChunkPlan:
     """Prompt chunks, each after its own cached tokens (bottom-right causal), padded to one call.
     A padded query row keeps every key of its request (no empty softmax) and is dropped."""
 
-    def __init__(self, batch, key_index, device):
+    def __init__(self, batch, key_index, device, window: int = 0):
         len_q = torch.tensor([q1 - q0 for (q0, q1), _ in batch], device=device)
         len_k = torch.tensor([k1 - k0 for _, (k0, k1) in batch], device=device)
         self.qi, self.q_ok = _padded_rows([q0 for (q0, _), _ in batch], len_q.tolist(), device)
@@ -326,7 +378,11 @@ class _ChunkPlan:
         self.rows = _rows(key_index, pos)
         i = torch.arange(self.qi.shape[1], device=device)[None, :, None]
         j = torch.arange(pos.shape[1], device=device)[None, None, :]
-        self.keep = ((j < len_k[:, None, None]) & (j <= i + (len_k - len_q)[:, None, None]))[:, None]
+        offset = (len_k - len_q)[:, None, None]
+        keep = (j < len_k[:, None, None]) & (j <= i + offset)
+        if window:  # real rows only: a padded row must keep a key
+            keep &= (j > i + offset - window) | (i >= len_q[:, None, None])
+        self.keep = keep[:, None]
 
 
 def _chunk_batch(q, k_pool, v_pool, plan: _ChunkPlan, scale: float, gqa: bool, out: torch.Tensor) -> None:

@@ -203,14 +203,27 @@ def _(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zer
 
 @torch.library.custom_op("metainfer::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tensor], read_index: Optional[Tensor],
-                    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, layer: int, scale: float) -> Tensor:
+                    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, layer: int, scale: float,
+                    window: int = 0, softcap: float = 0.0, sentinel: int = -1) -> Tensor:
     """One layer of a serving step, see metainfer.kernels.paged_attention. With write_index,
     the new keys and values k, v (Tq, Hkv, D) are written into the KV pool at write_index and
     q (Tq, Hq, D) attends to each request's keys read in place at read_index (write_index when
     nothing is cached); without, k and v already hold every request's keys in cu_k order.
     The pool is the serving step's (lowering/kv_pool.py), written as a collective writes its
-    peers' memory: a side effect outside the arguments, ordered by the data flow of layers."""
-    if write_index is None:
+    peers' memory: a side effect outside the arguments, ordered by the data flow of layers.
+    `window` > 0: each query sees its last `window` positions; `softcap` > 0: scores capped.
+    `sentinel` >= 0: the layer's pool is a ring buffer (transformers' sliding-window layers): the
+    read index lists each request's cached rows then `sentinel` for each new token, and the rows
+    are read before the new keys are written (they may overwrite rows the step still reads)."""
+    if write_index is not None and sentinel >= 0:
+        k_pool, v_pool = kv_pool.layer_views(layer)
+        new = (read_index == sentinel)[:, None, None]
+        k_all = k_pool.index_select(0, read_index).masked_scatter_(new, k.to(k_pool.dtype))
+        v_all = v_pool.index_select(0, read_index).masked_scatter_(new, v.to(v_pool.dtype))
+        k_pool.index_copy_(0, write_index, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, write_index, v.to(v_pool.dtype))
+        k_pool, v_pool, key_index = k_all, v_all, None  # every request's keys in cu_k order
+    elif write_index is None:
         k_pool, v_pool, key_index = k, v, None
     else:
         k_pool, v_pool = kv_pool.layer_views(layer)
@@ -219,12 +232,12 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tenso
         key_index = read_index if read_index is not None and read_index.numel() else write_index
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     if kernels.use_triton(q):
-        return _paged_attention.launch(*args, config=config_for("paged_attention", q.device))
-    return _paged_attention.cpu_forward(*args, plans=kv_pool.step_plans())
+        return _paged_attention.launch(*args, window, softcap, config=config_for("paged_attention", q.device))
+    return _paged_attention.cpu_forward(*args, plans=kv_pool.step_plans(), window=window, softcap=softcap)
 
 
 @paged_attention.register_fake
-def _(q, k, v, write_index, read_index, cu_q, cu_k, max_q, max_k, layer, scale):
+def _(q, k, v, write_index, read_index, cu_q, cu_k, max_q, max_k, layer, scale, window=0, softcap=0.0, sentinel=-1):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 

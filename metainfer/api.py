@@ -75,6 +75,8 @@ class OptimizedModel:
         ids = self._inputs.token_ids(args, kwargs)
         if ids is not None:  # the prompt, checked once before generate() builds anything around it
             self._inputs.check_prompt(ids)
+            if getattr(self.model, "generation_config", None) is not None:
+                _check_generation_length(self.model, ids, kwargs)
         if getattr(self.model, "generation_config", None) is not None:
             # Hugging Face would wrap the forward in its own torch.compile on GPUs
             kwargs.setdefault("disable_compile", True)
@@ -138,7 +140,12 @@ class OptimizedModel:
                 try:
                     out = fn(*args, **kwargs)
                 except torch._dynamo.exc.TorchDynamoException as e:
-                    raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
+                    if step is None or fn is self._forward:
+                        raise capture.translate(e, self.model, args, kwargs, self.target.name) from e
+                    # a serving step whose graph cannot be captured: the engine keeps serving, eagerly
+                    self._serve_compile.failed(capture.translate(e, self.model, args, kwargs, self.target.name))
+                    fn = self._forward
+                    out = fn(*args, **kwargs)
             if observe is not None or (step is not None and fn is self._forward):
                 if self.target.device.kind == "cuda":  # launches return early: time the work
                     torch.cuda.synchronize()
@@ -191,6 +198,21 @@ class OptimizedModel:
 
     def __repr__(self) -> str:
         return f"<metainfer.OptimizedModel of {type(self.model).__name__} for {self.target.name}>"
+
+
+def _check_generation_length(model, ids: torch.Tensor, kwargs: dict) -> None:
+    """A Hugging Face generate() that would run past the model's positions is refused before it
+    starts (not at the step that gets there)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or ids.dim() == 0:
+        return
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    end = ids.shape[-1] + new if new is not None else kwargs.get("max_length", getattr(config, "max_length", None))
+    if isinstance(end, int) and end > limit:
+        raise ValueError(f"generating to position {end} ({ids.shape[-1]} prompt tokens"
+                         f"{f' + {new} new' if new is not None else ''}) passes the model's max_position_embeddings "
+                         f"({limit}); lower max_new_tokens to {max(0, limit - ids.shape[-1])} or less")
 
 
 def _one_serving_graph():

@@ -197,9 +197,12 @@ def cmd_bench_serving(a) -> int:
     cfg = {k: v for k, v in (("num_blocks", a.num_blocks), ("max_batch_tokens", a.max_batch_tokens),
                              ("page_size", a.page_size)) if v is not None} or None
     rows = servebench.run(model, workload, target=target, variants=a.variants, cb_config=cfg,
-                          lowering=a.lowering)
+                          lowering=a.lowering, engine_sizing=a.engine_sizing)
+    sizing = ("each engine its own" if a.engine_sizing else
+              f"a pool of {servebench.workload_blocks(workload, a.page_size or 256)} blocks for the plain engines, "
+              "metainfer's own")
     print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens "
-          f"(+{workload.prefix_tokens} shared per prefix group), engine config {cfg or 'each engine its own'}")
+          f"(+{workload.prefix_tokens} shared per prefix group), engine config {cfg or sizing}")
     print(servebench.table(rows))
     if a.json:
         Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in rows]},
@@ -341,7 +344,9 @@ def parser() -> argparse.ArgumentParser:
                    "engine at its best max_batch_tokens; cb+metainfer compiles at the first step, cb+metainfer-auto "
                    "once compiling pays (the default of optimize())")
     b.add_argument("--num-blocks", type=_positive_int, metavar="N", help="KV pool blocks for every engine "
-                   "(default: each engine sizes its own)")
+                   "(default: a pool that holds the workload; metainfer sizes its own for it)")
+    b.add_argument("--engine-sizing", action="store_true", help="leave each engine to size its own pool (the plain "
+                   "engine's default can take most of the machine's memory and be slow to fill)")
     b.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step for every "
                    "engine (default: each engine's own)")
     b.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page (default 256)")

@@ -67,7 +67,7 @@ class ServingCompile:
         self.compiled: dict[str, str] = {}  # step shape -> why its graph was compiled
         self.eager = {shape: [0.0, 0, 0] for shape in self.SHAPES}  # seconds, tokens, steps served eagerly
         self._dir = Path(opt._backend.cache_dir) / "serving"
-        self._key = self._model_key()
+        self._key_cache: str | None = None
 
     @staticmethod
     def shape(tokens: int) -> str:
@@ -113,7 +113,14 @@ class ServingCompile:
             step = e[0] / e[1] * tokens if e[1] else 0.0
             self._store("warm" if warm else "cold", max(0.0, seconds - step))
 
+    def failed(self, error: Exception) -> None:
+        """The graph could not be compiled: every step from here on runs eagerly."""
+        self.mode = "never"
+        self.failure = str(error).splitlines()[0][:300]
+
     def note(self) -> str:
+        if getattr(self, "failure", None):
+            return f"serving compile: the graph could not be compiled, every step eager: {self.failure}"
         if self.mode == "never":
             return "serving compile: serve_compile='never': every step eager (metainfer's paged attention, no graph)"
         predicted, source = self.predicted_compile_seconds()
@@ -146,6 +153,14 @@ class ServingCompile:
             return max(rates) * layers, f"{layers} layers at the highest cost per layer measured here for another model"
         return (DEFAULT_SECONDS_PER_LAYER[lowering] * layers,
                 f"{layers} layers x {DEFAULT_SECONDS_PER_LAYER[lowering]} s, measured on the project's dev VM")
+
+    @property
+    def _key(self) -> str:
+        """The measurements' key, built when a serving step first needs it (only a served model,
+        a transformers one, has the config it reads)."""
+        if self._key_cache is None:
+            self._key_cache = self._model_key()
+        return self._key_cache
 
     def _model_key(self) -> str:
         import torch

@@ -227,7 +227,7 @@ def _latencies(times) -> tuple[float | None, float | None]:
 
 def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: dict | None = None,
         static_batch: int = 8, progress: bool = True, lowering: str | None = None, rounds: int = 2,
-        reference: list[list[int]] | None = None, cache_dir=None) -> list[Row]:
+        reference: list[list[int]] | None = None, cache_dir=None, engine_sizing: bool = False) -> list[Row]:
     """Serve `workload` with each variant (model: a transformers causal LM in eval mode).
 
     Every variant serves the workload `rounds` times, interleaved (round r of every variant
@@ -237,7 +237,9 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
     TUNED_BATCH_TOKENS once) and serves the later rounds with the fastest. `reference`: each
     request's greedy tokens from a reference (e.g. the model in float32), against which every
     variant's tokens are scored; `cache_dir`: metainfer's compile cache (a fresh one measures a
-    cold start)."""
+    cold start). Unless `cb_config` gives a pool, the plain engines get one that holds the
+    workload (metainfer sizes its own for it); `engine_sizing=True` leaves each engine to its own
+    defaults instead (the plain engine's can take most of the machine's memory)."""
     from tqdm.auto import tqdm
 
     import metainfer
@@ -251,7 +253,12 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
     outputs = [r.output_tokens for r in workload.requests]
     # every variant from no compiled code: Dynamo's caches and recompile budgets are per code object
     torch._dynamo.reset()
-    servers = {v: _server(v, model, workload, target, cb_config, lowering, cache_dir) for v in variants}
+    plain_cfg = cb_config
+    if not engine_sizing and not (cb_config or {}).get("num_blocks"):
+        page = (cb_config or {}).get("page_size", 256)
+        plain_cfg = {**(cb_config or {}), "num_blocks": workload_blocks(workload, page), "page_size": page}
+    servers = {v: _server(v, model, workload, target, cb_config if v.startswith("cb+metainfer") else plain_cfg,
+                          lowering, cache_dir) for v in variants}
     bar = tqdm(total=rounds * len(variants), desc="serving benchmark", unit="run", disable=not progress)
     runs: dict[str, list] = {v: [] for v in variants}
     for round_ in range(rounds):

@@ -7,8 +7,10 @@
 The engine (scheduler, paged KV pool, prefix blocks, chunked prefill) is transformers'. metainfer
 is its compiler and kernels:
 
-- every forward the engine runs goes through the OptimizedModel's compiled graphs, labelled in
-  the report by the step they first served (prefill, decode or mixed);
+- every forward the engine runs goes through metainfer: eagerly (the model's forward with the
+  attention and cache update below) until compiling pays (metainfer.serve_compile), then the
+  OptimizedModel's compiled graphs (one for steps of several tokens, one for steps of one),
+  labelled in the report by the step they first served (prefill, decode or mixed);
 - attention is metainfer's paged kernel (metainfer::paged_attention), reached through the
   engine's documented extension point, its attention-function registry: each request's keys
   and values are read in place from the pool, causal per request, and no dense
@@ -17,12 +19,15 @@ is its compiler and kernels:
   while metainfer serves, each engine cache's `update` only hands the layer's read and write
   indices to the attention op, which writes the new keys and values into the pool itself, so
   a step is one graph. The pool is reached through lowering/kv_pool.py, not as a graph input;
+- the KV pool is sized by metainfer where the engine's config leaves it open: the smallest of
+  the target's memory, the machine's available memory and the workload's need (choose_capacity);
 - a request that cannot be served (empty, not token ids, ids outside the vocabulary, longer
   than the model's positions, or more tokens than the pool can ever hold) fails alone, with
   the reason in its output's `error`; the others are served.
 
-Models with sliding-window layers run through the engine's own attention (the report says so):
-the paged kernel has no window.
+Sliding-window layers (Mistral, Gemma 2/3) and soft-capped scores (Gemma 2) run in the paged
+kernel too; layers of other kinds (chunked, linear attention) run the engine's own attention
+(the report says so).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import torch
 from metainfer import inputs
 
 ATTENTION_NAME = "metainfer_paged_flash"  # the engine admits custom attention names containing "flash"
-_STEP_KEY = "metainfer_kv"  # what the cache update hands the attention: (layer, read index, write index)
+_STEP_KEY = "metainfer_kv"  # what the cache update hands the attention: (layer, read, write, sentinel)
+_STEP_ATTR = "_metainfer_step"  # on the engine's cache while a step runs: the step's keyword arguments
 
 
 # ---- the engine's extension points ---------------------------------------------------------
@@ -48,34 +54,71 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers attention function: query (1, Hq, T, D) of the packed step, key/value
     (1, Hkv, T, D) its new keys and values; returns (1, T, Hq, Dv)."""
     step = kwargs.get(_STEP_KEY)
+    if step is None and isinstance(kwargs.get("read_index"), (list, tuple)):
+        # the model called the cache's update without its keyword arguments (GPT-NeoX): this layer's
+        # indices from the step's, which the attention still receives
+        if len(kwargs["read_index"]) != 1:
+            raise RuntimeError(f"{type(module).__name__} updates the cache without the step's arguments and the "
+                               "model has several kinds of attention layers: which indices are this layer's is unknown")
+        layer_type = next(iter(kwargs["cu_seq_lens_k"]))
+        if layer_type != "full_attention":
+            raise RuntimeError(f"{type(module).__name__} updates the cache without the step's arguments and its "
+                               f"layers are {layer_type}: the ring buffer's sentinel is unknown here")
+        kwargs = dict(kwargs, **_layer_indices(kwargs, 0, layer_type))
+        step = (module.layer_idx, kwargs["read_index"], kwargs["write_index"], -1)
     if step is None:
         raise RuntimeError(f"attention {ATTENTION_NAME!r} runs only inside metainfer's serving steps "
                            "(OptimizedModel.generate_batch or init_continuous_batching)")
-    layer, read_index, write_index = step
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError(f"{type(module).__name__} has attention sinks (s_aux), which metainfer's paged attention "
+                           "does not compute")
+    layer, read_index, write_index, sentinel = step
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # a sliding-window layer (Mistral, Gemma 2/3) passes its window, Gemma 2 its logit soft-cap
+    window, softcap = kwargs.get("sliding_window") or 0, kwargs.get("softcap") or 0.0
     out = torch.ops.metainfer.paged_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), write_index, read_index,
         kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"], layer,
-        scale)
+        scale, int(window), float(softcap), sentinel)
     return out.unsqueeze(0), None
 
 
-def _update(self, key_states, value_states, layer_idx, kwargs):
+def _layer_indices(step: dict, group: int, layer_type: str) -> dict:
+    """One layer's share of a packed step's arguments: its group's read and write indices and key
+    lengths, and the step's query lengths."""
+    return {"read_index": step["read_index"][group], "write_index": step["write_index"][group],
+            "cu_seq_lens_k": step["cu_seq_lens_k"][layer_type], "max_length_k": step["max_length_k"][layer_type],
+            "cu_seq_lens_q": step["cu_seq_lens_q"], "max_length_q": step["max_length_q"]}
+
+
+def _update(self, key_states, value_states, layer_idx, kwargs=None):
     """PagedAttentionCache.update while metainfer serves, traceable (no graph break): this
-    layer's indices selected as the engine's update selects them; keys and values are left to
-    the attention op, which writes them into the pool; an MLA layer's latents are written and
-    read back by metainfer::paged_latents (the model decompresses them into keys after)."""
+    layer's indices selected as the engine's update selects them, and handed to the attention
+    in `kwargs`; keys and values are left to the attention op, which writes them into the pool;
+    an MLA layer's latents are written and read back by metainfer::paged_latents (the model
+    decompresses them into keys after). A model whose layers do not pass the step's arguments
+    down (StableLM) gets them from the step (_STEP_ATTR); one that calls update without
+    `kwargs` (GPT-NeoX) leaves the choice to the attention function."""
+    if kwargs is None:
+        return key_states, value_states
+    step = kwargs if "read_index" in kwargs else getattr(self, _STEP_ATTR)
     allocator = self.layer_to_allocator[layer_idx]
-    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
-    kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
-    read, write = kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index]
+    layer = _layer_indices(step, allocator.index, allocator.layer_type)
+    read, write = layer.pop("read_index"), layer.pop("write_index")
+    kwargs.update(layer)
     if _is_mla(allocator):  # (1, 1, T, R) and (1, 1, T, P) latents
         latent, rotated = torch.ops.metainfer.paged_latents(key_states[0, 0], value_states[0, 0], write, read,
                                                              layer_idx)
-        kwargs[_STEP_KEY] = (layer_idx, None, None)
+        kwargs[_STEP_KEY] = (layer_idx, None, None, -1)
         return latent[None, None], rotated[None, None]
-    kwargs[_STEP_KEY] = (layer_idx, read, write)
+    kwargs[_STEP_KEY] = (layer_idx, read, write, _sentinel(allocator))
     return key_states, value_states
+
+
+def _sentinel(allocator) -> int:
+    """The read index's marker for a new token in a ring-buffer (sliding-window) layer group, -1
+    for a group whose rows are read after they are written."""
+    return allocator.sentinel_index if allocator.layer_type == "sliding_attention" else -1
 
 
 def _is_mla(allocator) -> bool:
@@ -92,11 +135,9 @@ def _register_attention() -> None:
 def paged_attention_unsupported(model) -> str | None:
     """Why metainfer's paged attention cannot serve this model (None if it can)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    types_ = set(getattr(cfg, "layer_types", None) or ())
-    if types_ - {"full_attention"} or (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
-        return "it has sliding-window layers (the paged kernel has no window)"
-    if getattr(cfg, "attn_logit_softcapping", None):
-        return "its attention is soft-capped"
+    other = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other:
+        return f"it has {', '.join(sorted(other))} layers (the paged kernel has full and sliding-window attention)"
     return None
 
 
@@ -124,12 +165,16 @@ class _Step:
         if not self.paged or cache is None:
             return contextlib.nullcontext()
         # nothing cached yet: the engine reads no key (the new ones are used as they are); ours
-        # read them back from the rows just written (the same values), so no step has an empty index
+        # read them back from the rows just written (the same values; in a ring buffer, the new
+        # tokens' marker), so no step has an empty index
         if any(r.numel() == 0 for r in kwargs.get("read_index", ())):
-            kwargs["read_index"] = [w.clone() if r.numel() == 0 else r  # a copy: an input aliasing another is a guard
-                                    for r, w in zip(kwargs["read_index"], kwargs["write_index"])]
+            sentinels = {a.index: _sentinel(a) for a in cache.cache_allocators.values()}
+            kwargs["read_index"] = [
+                r if r.numel() else w.clone() if sentinels[g] < 0 else torch.full_like(w, sentinels[g])
+                for g, (r, w) in enumerate(zip(kwargs["read_index"], kwargs["write_index"]))]
         if getattr(cache.update, "__func__", None) is not _update:
             cache.update = types.MethodType(_update, cache)  # this cache instance only
+        setattr(cache, _STEP_ATTR, kwargs)
 
         def views(layer: int):
             allocator = cache.layer_to_allocator[layer]
@@ -293,6 +338,9 @@ def request_problem(opt, tokens, max_new_tokens: int, pool_tokens: int | None, p
     limit = getattr(opt.model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and len(tokens) > limit:
         return f"prompt of {len(tokens)} tokens is longer than the model's {limit} positions"
+    if isinstance(limit, int) and len(tokens) + max_new_tokens > limit:
+        return (f"prompt of {len(tokens)} tokens + {max_new_tokens} new reaches position {len(tokens) + max_new_tokens}, "
+                f"past the model's {limit} positions")
     if pool_tokens is not None:
         need = math.ceil((len(tokens) + max_new_tokens) / page_size) * page_size
         if need > pool_tokens:
@@ -311,20 +359,30 @@ def _failed(request_id: str, tokens, why: str):
 # ---- entry points --------------------------------------------------------------------------
 
 def _engine_config(opt, cb_config, request_tokens: list[int] | None):
-    """The engine's config with metainfer's capacity where the user left it open."""
+    """The engine's config with metainfer's capacity where the user left it open, and that
+    capacity: a pool size the user gave is the one planned with, admitted against and reported
+    (refused if the machine cannot hold it); max_batch_tokens is the engine's default unless given."""
     from transformers import ContinuousBatchingConfig
 
     cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
     page = cfg.page_size
-    if cfg.num_blocks is not None and cfg.max_batch_tokens is not None:
-        cap = Capacity(cfg.num_blocks, page, cfg.max_batch_tokens,
-                       f"KV pool {cfg.num_blocks} blocks x {page} tokens and max_batch_tokens {cfg.max_batch_tokens}, "
-                       "as given")
+    batch_tokens = cfg.max_batch_tokens or ENGINE_MAX_BATCH_TOKENS
+    given = "given" if cfg.max_batch_tokens else "the engine's default"
+    if cfg.num_blocks is not None:
+        fits = choose_capacity(opt, None, page, batch_tokens)
+        if cfg.num_blocks > fits.num_blocks:
+            raise ValueError(f"a KV pool of {cfg.num_blocks} blocks x {page} tokens does not fit: "
+                             f"{fits.why.split(': ', 1)[1].split('; max_batch_tokens')[0]} allows {fits.num_blocks}")
+        cap = Capacity(cfg.num_blocks, page, batch_tokens,
+                       f"KV pool {cfg.num_blocks} blocks x {page} tokens, as given; max_batch_tokens {batch_tokens} "
+                       f"({given})")
     else:
-        cap = choose_capacity(opt, request_tokens, page, cfg.max_batch_tokens or 8192)
-        cfg = dataclasses.replace(cfg, num_blocks=cfg.num_blocks or cap.num_blocks,
-                                  max_batch_tokens=cfg.max_batch_tokens or cap.max_batch_tokens)
-    return cfg, cap
+        cap = choose_capacity(opt, request_tokens, page, batch_tokens)
+        cap.why += f" ({given})"
+    return dataclasses.replace(cfg, num_blocks=cap.num_blocks, max_batch_tokens=batch_tokens), cap
+
+
+ENGINE_MAX_BATCH_TOKENS = 8192  # transformers' continuous batching default (PagedAttentionMemoryHandler)
 
 
 @contextlib.contextmanager
@@ -445,9 +503,11 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
 
 
 class Manager:
-    """The engine's ContinuousBatchingManager with its forwards on metainfer's graphs between
-    start() and stop() (call both from the same thread), and requests checked on admission:
-    add_request raises ValueError for one that cannot be served."""
+    """The engine's ContinuousBatchingManager with its forwards through metainfer between start()
+    and stop() (call both from the same thread). Every request is checked on admission
+    (add_request, add_requests: ValueError before anything is queued); a cancelled request ends
+    with a result whose error is "cancelled" (its blocks freed by the engine); the report gets
+    the capacity, compile and run notes generate_batch writes."""
 
     def __init__(self, opt, generation_config=None, continuous_batching_config=None, workload_hints=None):
         self._opt = opt
@@ -455,15 +515,18 @@ class Manager:
         tokens = ([hints.max_prompt_length + hints.max_generated_length] * hints.num_requests
                   if hints and hints.num_requests else None)
         cfg, self.capacity = _engine_config(opt, continuous_batching_config, tokens)
+        _note(opt, f"serving capacity: {self.capacity.why}")
         self._attention = attention(opt)
         self._paged = self._attention.__enter__()  # before the engine starts: it keeps this attention
         self._forwards = None
+        self._admitted = 0  # prompt tokens
         try:
             self._manager = opt.model.init_continuous_batching(generation_config=generation_config,
                                                               continuous_batching_config=cfg, workload_hints=hints)
         except BaseException:
             self._attention.__exit__(None, None, None)
             raise
+        self._deliver_cancellations()
 
     def start(self) -> None:
         self._forwards = forwards(self._opt, self._paged)
@@ -479,20 +542,68 @@ class Manager:
         try:
             self._manager.stop(*args, **kwargs)
         finally:
+            steps = getattr(self, "steps", None)
             self._close()
             self._attention.__exit__(None, None, None)
+            if steps is not None and steps.steps:
+                _note(self._opt, f"serving run: {steps.steps} steps, {steps.tokens} query tokens computed for "
+                                 f"{self._admitted} prompt tokens admitted (streaming)")
+                _note(self._opt, self._opt._serve_compile.note())
 
     def _close(self) -> None:
         if self._forwards is not None:
             f, self._forwards = self._forwards, None
             f.__exit__(None, None, None)
 
-    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kwargs):
+    def _problem(self, input_ids, max_new_tokens) -> str | None:
         max_new = self._manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        why = request_problem(self._opt, input_ids, max_new or 0, self.capacity.tokens, self.capacity.page_size)
+        return request_problem(self._opt, input_ids, max_new or 0, self.capacity.tokens, self.capacity.page_size)
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kwargs):
+        why = self._problem(input_ids, max_new_tokens)
         if why is not None:
             raise ValueError(f"request refused: {why}")
+        self._admitted += len(input_ids)
         return self._manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+
+    def add_requests(self, inputs, max_new_tokens=None, **kwargs) -> list[str]:
+        """The engine's add_requests, every request checked first: one that cannot be served is a
+        ValueError naming it, and none of them is queued."""
+        bad = [(i, why) for i, p in enumerate(inputs) if (why := self._problem(p, max_new_tokens)) is not None]
+        if bad:
+            raise ValueError("requests refused, none queued: " + "; ".join(f"input {i}: {why}" for i, why in bad))
+        self._admitted += sum(len(p) for p in inputs)
+        return self._manager.add_requests(inputs, max_new_tokens=max_new_tokens, **kwargs)
+
+    def _deliver_cancellations(self) -> None:
+        """The engine drops a cancelled request without a word (transformers 5.25: the scheduler frees
+        its blocks and no result is delivered); its scheduler, made when the engine starts, is
+        wrapped so each one dropped delivers a final result with error "cancelled" and the tokens
+        generated so far."""
+        manager = self._manager
+        make = manager._create_batch_processor
+
+        def create():
+            processor = make()
+            scheduler = processor.scheduler
+            clear = scheduler.clear_cancelled_requests
+            if getattr(clear, "_metainfer", False):
+                return processor
+
+            def clear_and_deliver():
+                from transformers.generation.continuous_batching.requests import RequestStatus
+
+                states = clear()
+                for state in states:
+                    state.status, state.error = RequestStatus.FAILED, "cancelled"
+                    manager.output_router.deliver(state.to_generation_output())
+                return states
+
+            clear_and_deliver._metainfer = True
+            scheduler.clear_cancelled_requests = clear_and_deliver
+            return processor
+
+        manager._create_batch_processor = create
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
@@ -503,3 +614,8 @@ class Manager:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _note(opt, note: str) -> None:
+    if note not in opt.report.notes:
+        opt.report.notes.append(note)

@@ -47,6 +47,36 @@ def test_kernel_and_cpu_path_against_reference(lengths, hkv, group, d, same_dv, 
     close(P.cpu_forward(q, kp, vp, ki, cu_q, cu_k, mq, mk, scale), ref, dtype)
 
 
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 40)), min_size=1, max_size=4),
+       hkv=st.integers(1, 2), group=st.integers(1, 3), window=st.integers(0, 24),
+       softcap=st.sampled_from([0.0, 0.0, 2.0, 30.0]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.integers(1, 3))
+def test_sliding_window_and_soft_cap(lengths, hkv, group, window, softcap, dtype, splits, interpret):
+    """Each query sees its last `window` positions (Hugging Face's kv > q - W, bottom-right), and
+    scores capped at softcap * tanh(s / softcap): the kernel and the CPU path against the
+    reference, which builds the band from positions by hand."""
+    q, kp, vp, ki, cu_q, cu_k, mq, mk = batch(lengths, hkv, group, 16, 16, dtype)
+    ref = P.reference(q, kp, vp, ki, cu_q, cu_k, 0.25, window, softcap)
+    cfg = {**config_for("paged_attention", q.device), "SPLITS": splits}
+    close(P.launch(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.25, window, softcap, config=cfg), ref, dtype)
+    close(P.cpu_forward(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.25, window=window, softcap=softcap), ref, dtype)
+
+
+def test_a_windowed_case_by_hand():
+    """One request, one head, d 1: 2 new tokens after 3 cached, window 2. Keys are 0..4 with
+    values 0..4 and every score equal, so each query averages the values in its window: query 0
+    (position 3) sees keys 2, 3 -> 2.5; query 1 (position 4) sees 3, 4 -> 3.5."""
+    k_pool = torch.ones(5, 1, 1)
+    v_pool = torch.arange(5.0).view(5, 1, 1)
+    q = torch.zeros(2, 1, 1)
+    cu_q, cu_k = torch.tensor([0, 2]), torch.tensor([0, 5])
+    key_index = torch.arange(5)
+    for out in (P.reference(q, k_pool, v_pool, key_index, cu_q, cu_k, 1.0, 2),
+                P.cpu_forward(q, k_pool, v_pool, key_index, cu_q, cu_k, 2, 5, 1.0, window=2)):
+        assert out.flatten().tolist() == [2.5, 3.5]
+
+
 @settings(max_examples=10, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 20)), min_size=1, max_size=3),
        group=st.integers(1, 3), splits=st.integers(1, 2))

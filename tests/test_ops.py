@@ -107,3 +107,25 @@ def test_serving_ops_write_the_active_pool_and_read_it_back(interpret):
         assert torch.equal(all_lat, lat[read]) and torch.equal(lat[write], new_lat) and torch.equal(rot[write], new_rot)
         fresh = m.paged_latents(new_lat, new_rot, write, read[:0], 1)  # nothing cached: the new rows as they are
         assert torch.equal(fresh[0], new_lat) and torch.equal(fresh[1], new_rot)
+
+
+def test_a_ring_buffer_is_read_before_it_is_written():
+    """A sliding-window layer's pool (transformers' ring buffer): the read index lists each
+    request's cached rows, then the sentinel row for each new token; the new keys go to rows
+    the step still reads (overwriting the oldest), so the op reads first. Request 0 holds 3 keys
+    in rows 4, 5, 6 of a 3-slot ring and decodes one token, written to row 4 (its oldest)."""
+    from metainfer.kernels import paged_attention as P
+    from metainfer.lowering import kv_pool
+
+    sentinel = 1
+    k_pool, v_pool = torch.randn(8, 1, 4), torch.randn(8, 1, 4)
+    old_k, old_v = k_pool[4:7].clone(), v_pool[4:7].clone()
+    q, k, v = torch.randn(1, 2, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    read, write = torch.tensor([4, 5, 6, sentinel]), torch.tensor([4])
+    cu_q, cu_k = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+    with kv_pool.active(lambda layer: (k_pool, v_pool)):
+        out = m.paged_attention(q, k, v, write, read, cu_q, cu_k, 1, 4, 0, 0.5, 3, 0.0, sentinel)
+    assert torch.equal(k_pool[4], k[0]) and torch.equal(v_pool[4], v[0]), "the new key is in the pool after"
+    keys, values = torch.cat([old_k, k]), torch.cat([old_v, v])  # what the step reads: old keys, then the new
+    ref = P.reference(q, keys, values, None, cu_q, cu_k, 0.5, 3)  # window 3: the last 2 old keys and the new one
+    torch.testing.assert_close(out, ref)

@@ -239,3 +239,108 @@ def test_benchmark_harness_compares_variants_on_a_workload(tmp_path):
     with pytest.raises(ValueError, match="not a workload"):
         path.write_text('{"requests": [{"prompt": 3}]}')
         servebench.Workload.load(path)
+
+
+def test_every_way_in_checks_the_request_first():
+    """add_request and add_requests refuse a request that cannot be served before anything is
+    queued (the engine's own add_requests would fail every request in flight on one bad id);
+    prompt + new tokens past the model's positions is refused by generate_batch alone and by
+    generate() before it starts."""
+    model = tiny_hf_model("Llama", layers=1, max_position_embeddings=64)
+    good = prompts((7, 12, 5))
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    plain = tokens(model.generate_batch(good, generation_config=GREEDY,
+                                        continuous_batching_config=ContinuousBatchingConfig(**SMALL)))
+    with opt.init_continuous_batching(generation_config=GREEDY,
+                                      continuous_batching_config=ContinuousBatchingConfig(**SMALL)) as manager:
+        with pytest.raises(ValueError, match=r"none queued: input 1: prompt\[1\] = 300 is not a token id"):
+            manager.add_requests([good[0], [5, 300]])
+        with pytest.raises(ValueError, match="input 0: prompt of 60 tokens \\+ 6 new reaches position 66, past "
+                                             "the model's 64 positions"):
+            manager.add_requests([[3] * 60])
+        ids = manager.add_requests(good)
+        got = {}
+        while len(got) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None, "the engine stopped"
+            if r.is_finished():
+                got[r.request_id] = r.generated_tokens
+    assert [got[i] for i in ids] == plain, "nothing of the refused calls was queued"
+    out = opt.generate_batch([good[0], [3] * 60], generation_config=GREEDY)
+    assert [r.error for r in out.values()] == [None, "prompt of 60 tokens + 6 new reaches position 66, past the "
+                                                     "model's 64 positions"]
+    with pytest.raises(ValueError, match="generating to position 70 \\(10 prompt tokens \\+ 60 new\\) passes the "
+                                         "model's max_position_embeddings \\(64\\)"):
+        opt.generate(torch.tensor([good[0] + [3, 4, 5]]), max_new_tokens=60)
+
+
+def test_a_cancelled_request_ends_with_a_result_and_frees_its_blocks():
+    """A request cancelled mid-stream ends with a result marked "cancelled" (the plain engine
+    delivers none), and its blocks go back to the pool: a request that needs them is served."""
+    model = tiny_hf_model("Llama", layers=1, max_position_embeddings=1024)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    long = GenerationConfig(do_sample=False, max_new_tokens=200, eos_token_id=-1, pad_token_id=0)
+    pool = ContinuousBatchingConfig(num_blocks=32, page_size=16, max_batch_tokens=512, allow_block_sharing=False)
+    with opt.init_continuous_batching(generation_config=long, continuous_batching_config=pool) as manager:
+        gone = manager.add_request(prompts((300,), seed=1)[0], streaming=True)  # 19 of the 32 blocks, and more
+        while not (r := manager.get_result(timeout=30)).generated_tokens:
+            pass
+        manager.cancel_request(gone)
+        big = manager.add_request(prompts((400,), seed=2)[0], max_new_tokens=6)  # 26 blocks: only once freed
+        results = {}
+        while len(results) < 2:
+            r = manager.get_result(timeout=30)
+            assert r is not None, "the engine stopped, the cancelled request never ended, or its blocks were kept"
+            if r.is_finished():
+                results[r.request_id] = r
+    assert results[gone].error == "cancelled" and 0 < len(results[gone].generated_tokens) < 200
+    assert results[big].error is None and len(results[big].generated_tokens) == 6
+
+
+def test_the_pool_size_given_is_the_one_planned_admitted_and_reported():
+    model = tiny_hf_model("Llama", layers=1)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    cfg = ContinuousBatchingConfig(num_blocks=4, page_size=16)  # 64 tokens of pool, batch tokens left open
+    out = opt.generate_batch([prompts((10,))[0], prompts((70,))[0]], generation_config=GREEDY,
+                             continuous_batching_config=cfg)
+    assert [r.error for r in out.values()] == [None, "prompt of 70 tokens + 6 new needs 80 tokens of KV pool (5 "
+                                                     "blocks of 16); the pool holds 64"]
+    assert ("serving capacity: KV pool 4 blocks x 16 tokens, as given; max_batch_tokens 8192 (the engine's "
+            "default)") in opt.report.notes
+    with pytest.raises(ValueError, match="a KV pool of 1000000000 blocks x 16 tokens does not fit: the machine's"):
+        opt.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(num_blocks=10**9, page_size=16))
+    with opt.init_continuous_batching(generation_config=GREEDY, continuous_batching_config=cfg) as manager:
+        assert manager.capacity.num_blocks == 4
+        manager.add_request(prompts((10,))[0])
+        while not (r := manager.get_result(timeout=30)).is_finished():
+            pass
+    notes = [n.split(":")[0] for n in opt.report.notes]
+    assert {"serving capacity", "serving run", "serving compile"} <= set(notes), "the manager's notes too"
+
+
+@pytest.mark.parametrize("arch, extra", [("StableLm", {}), ("GPTNeoX", dict(num_key_value_heads=4)),
+                                         ("Gemma3Text", dict(sliding_window=8, head_dim=16))])
+def test_architectures_the_plain_engine_cannot_serve(arch, extra):
+    """StableLM's layers do not pass the step's arguments down to the cache update, GPT-NeoX
+    calls it without them (the plain engine fails on both, transformers 5.25); Gemma 3 has
+    sliding-window layers (a ring buffer per request). metainfer serves all three, eagerly and
+    compiled, with greedy tokens equal to the model's own generate()."""
+    model = tiny_hf_model(arch, attn="sdpa", **extra)
+    reqs = prompts((5, 17, 33, 9, 2))
+    ref = [model.generate(torch.tensor([r]), generation_config=GREEDY)[0, len(r):].tolist() for r in reqs]
+    for mode in ("never", "always"):
+        opt = metainfer.optimize(model, "cpu", lowering="aot_eager", serve_compile=mode)
+        out = opt.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+        assert tokens(out) == ref, mode
+        assert any("paged_attention over the engine's KV pool" in n for n in opt.report.notes)
+        assert len(opt.report.sections) <= (2 if mode == "always" else 0), opt.report.compiles()
+    with opt.init_continuous_batching(generation_config=GREEDY,
+                                      continuous_batching_config=ContinuousBatchingConfig(**SMALL)) as manager:
+        ids = manager.add_requests(reqs)
+        got = {}
+        while len(got) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None and r.error is None
+            if r.is_finished():
+                got[r.request_id] = r.generated_tokens
+    assert [got[i] for i in ids] == ref

@@ -7,13 +7,14 @@ One directory holds everything metainfer's compilations write:
                        leaves it there: other torch.compile calls in the process share it)
     <root>/records/    what the passes did to each graph (JSON), for graphs Inductor serves
                        from its cache without running the passes
+    <root>/serving/    measured compile times of serving graphs (metainfer.serve_compile)
 
 <root> is, in order: the `cache_dir=` given to optimize(), $METAINFER_CACHE_DIR, or
 ~/.cache/metainfer. Inductor's cache stays valid because the PassManager's uuid() is stable
 and changes with any pass's source, the pipeline, the options or the target. Records are keyed
 by that uuid, the Dynamo graph's code, its inputs' dtypes/shapes/strides (symbols where the graph
 has them) and the torch/triton/metainfer versions.
-`clear()` (or `metainfer cache clear`) removes both.
+`clear()` (or `metainfer cache clear`) removes all three.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from metainfer.passes.manager import PassRecord
 
 FORMAT = "3"
+PARTS = ("records", "inductor", "serving")
 
 
 def cache_dir(explicit: "str | os.PathLike | None" = None) -> Path:
@@ -96,18 +98,19 @@ def info(root: "str | os.PathLike | None" = None) -> dict:
     """What the cache holds: its root, and files and bytes per part."""
     r = cache_dir(root)
     out = {"root": str(r)}
-    for part in ("records", "inductor"):
+    for part in PARTS:
         files = [f for f in (r / part).rglob("*") if f.is_file()] if (r / part).is_dir() else []
         out[part] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
     return out
 
 
-def clear(root: "str | os.PathLike | None" = None, parts=("records", "inductor")) -> int:
-    """Remove what metainfer cached under the root (both parts by default); returns how many
+def clear(root: "str | os.PathLike | None" = None, parts=None) -> int:
+    """Remove what metainfer cached under the root (every part by default); returns how many
     files went."""
-    unknown = set(parts) - {"records", "inductor"}
+    parts = PARTS if parts is None else parts
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        raise ValueError(f"unknown cache parts {sorted(unknown)}; known: records, inductor")
+        raise ValueError(f"unknown cache parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     r = cache_dir(root)
     n = 0
     for part in parts:

@@ -233,7 +233,7 @@ def cmd_cache(a) -> int:
         return 0
     i = cache.info(a.dir)
     print(f"{i['root']}")
-    for part in ("records", "inductor"):
+    for part in ("records", "inductor", "serving"):
         print(f"  {part:9s} {i[part]['files']:6d} files  {i[part]['bytes'] / 2**20:8.1f} MiB")
     return 0
 

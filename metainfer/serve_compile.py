@@ -139,10 +139,11 @@ class ServingCompile:
     def predicted_compile_seconds(self) -> tuple[float, str]:
         own = self._load(self._key)
         lowering = self._opt._backend.lowering
-        if own.get("warm") is not None:
+        cached = lowering == "aot_eager" or (self._dir.parent / "inductor").is_dir()  # not cleared since
+        if own.get("warm") is not None and cached:
             return own["warm"], "measured: this model's last compile from a warm cache"
         if own.get("cold") is not None:
-            if lowering == "inductor" and (self._dir.parent / "inductor").is_dir():  # its graph is in the cache now
+            if lowering == "inductor" and cached:  # its graph is in the cache now
                 return (own["cold"] * WARM_SHARE, f"this model's compile from an empty cache, {own['cold']:.1f} s, x "
                         f"{WARM_SHARE}, the warm / cold ratio measured on the dev VM")
             return own["cold"], "measured: this model's last compile"

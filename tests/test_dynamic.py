@@ -168,6 +168,12 @@ def test_hugging_face_past_max_positions_is_refused():
     opt(torch.randint(3, 128, (1, 32)))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         opt(torch.randint(3, 128, (1, 33)))
-    # the cache counts: a decode step past the last position is refused too
-    with pytest.raises(ValueError, match="reaches position 33"):
+    # generate() is refused before its first step: 30 + 5 passes 32
+    with pytest.raises(ValueError, match=r"generating to position 35 \(30 prompt tokens \+ 5 new\) passes the "
+                                         r"model's max_position_embeddings \(32\); lower max_new_tokens to 2"):
         opt.generate(torch.randint(3, 128, (1, 30)), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    # a step's cache counts: 3 tokens after 30 cached reach position 33
+    with torch.no_grad():
+        cache = model(torch.randint(3, 128, (1, 30)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="reaches position 33"):
+        opt(torch.randint(3, 128, (1, 3)), past_key_values=cache)

@@ -38,7 +38,6 @@ class OptimizedModel:
         self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
         # a serving engine's packed steps change size every step: symbolic from the first one
         self._compiled_packed = torch.compile(self._forward, backend=backend, dynamic=True)
-        self._serving_graph = self._compiled_packed  # what a serving step runs once compiled
         self._serve_compile = ServingCompile(self, serve_compile)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
@@ -132,8 +131,8 @@ class OptimizedModel:
             fn = self._compiled_packed if packed else self._compiled
             shapes = contextlib.nullcontext()
             if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
-                fn = self._serving_graph if step.use_compiled(self._serve_compile, tokens) else self._forward
-                shapes = _one_serving_graph()
+                fn = self._compiled_packed if step.use_compiled(self._serve_compile, tokens) else self._forward
+                shapes = _serving_shapes()
             graphs, start = len(self.report.sections), time.perf_counter()
             with (torch.no_grad(), capture.capturable(self.model) as notes,
                   step(kwargs) if step is not None else contextlib.nullcontext(), shapes):
@@ -215,7 +214,7 @@ def _check_generation_length(model, ids: torch.Tensor, kwargs: dict) -> None:
                          f"({limit}); lower max_new_tokens to {max(0, limit - ids.shape[-1])} or less")
 
 
-def _one_serving_graph():
+def _serving_shapes():
     """Dynamo's shape settings for a serving step (thread-local in torch 2.13, so set around each
     call on the engine's thread): equal sizes not assumed equal (a chunk of 512 tokens over a
     512-row index would otherwise compile a graph of its own). With no step reading an empty

@@ -86,7 +86,8 @@ class ServingCompile:
         if shape in self.compiled:
             return True
         if self.mode == "always":
-            self.compiled[shape] = "serve_compile='always': compiled at the first step"
+            self.compiled[shape] = ("compiled at the first step: ranks of a job switch together" if getattr(
+                self, "job", False) else "serve_compile='always': compiled at the first step")
             return True
         seconds, done, steps = self.eager[shape]
         if self.mode == "never" or done == 0:  # measure the eager rate first
@@ -112,6 +113,14 @@ class ServingCompile:
         elif compiled_now:
             step = e[0] / e[1] * tokens if e[1] else 0.0
             self._store("warm" if warm else "cold", max(0.0, seconds - step))
+
+    def in_a_job(self) -> None:
+        """Ranks of a tensor-parallel job must run the same steps the same way (the eager and the
+        compiled step issue their collectives differently), and each rank measures its own times:
+        "auto" compiles at the first step there."""
+        if self.mode == "auto":
+            self.mode = "always"
+            self.job = True
 
     def failed(self, error: Exception) -> None:
         """The graph could not be compiled: every step from here on runs eagerly."""

@@ -185,22 +185,6 @@ class _Step:
         return kv_pool.active(views)
 
 
-# a packed step's sizes: query tokens (last dim), requests, keys read and written per layer group
-_STEP_SIZES = {"input_ids": -1, "position_ids": -1, "logits_indices": 0, "logits_to_keep": 0, "cu_seq_lens_q": 0,
-               "cu_seq_lens_k": 0, "read_index": 0, "write_index": 0}
-
-
-def _at_least_one(kwargs) -> None:
-    """Mark the step's sizes symbolic from 1 up: with Dynamo's size-oblivious sizes (see
-    api._one_serving_graph) a size could otherwise be 0, where a view inferring a dimension
-    (-1) divides by it. No step has an empty one (an empty read index is replaced before)."""
-    for name, dim in _STEP_SIZES.items():
-        value = kwargs.get(name)
-        for t in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[dim] >= 1:
-                torch._dynamo.mark_dynamic(t, dim % t.dim(), min=1, max=1 << 40)
-
-
 def step_label(kwargs) -> str:
     """prefill, decode or mixed: what the requests of a packed step are doing (read only when
     the step compiles a graph: it reads the batch's lengths on the host)."""
@@ -428,6 +412,10 @@ def forwards(opt, paged: bool, total: int | None = None):
     """While the engine runs: its forwards through metainfer (the compiled graph once compiling
     pays). Yields the step counter."""
     step = _Step(paged, total)
+    from metainfer import distributed
+
+    if distributed.tp_mesh(opt.model) is not None:
+        opt._serve_compile.in_a_job()
     with opt._installed(lambda kw, n: (lambda: step_label(kw)), step=step):
         yield step
 

@@ -318,14 +318,16 @@ def test_the_pool_size_given_is_the_one_planned_admitted_and_reported():
     assert {"serving capacity", "serving run", "serving compile"} <= set(notes), "the manager's notes too"
 
 
-@pytest.mark.parametrize("arch, extra", [("StableLm", {}), ("GPTNeoX", dict(num_key_value_heads=4)),
-                                         ("Gemma3Text", dict(sliding_window=8, head_dim=16))])
-def test_architectures_the_plain_engine_cannot_serve(arch, extra):
+@pytest.mark.parametrize("arch, attn, extra", [("StableLm", "sdpa", {}), ("GPTNeoX", "sdpa", dict(num_key_value_heads=4)),
+                                               ("Gemma3Text", "sdpa", dict(sliding_window=8, head_dim=16)),
+                                               ("Gemma2", "eager", dict(sliding_window=8, head_dim=16))])
+def test_architectures_the_plain_engine_cannot_serve(arch, attn, extra):
     """StableLM's layers do not pass the step's arguments down to the cache update, GPT-NeoX
     calls it without them (the plain engine fails on both, transformers 5.25); Gemma 3 has
-    sliding-window layers (a ring buffer per request). metainfer serves all three, eagerly and
-    compiled, with greedy tokens equal to the model's own generate()."""
-    model = tiny_hf_model(arch, attn="sdpa", **extra)
+    sliding-window layers (a ring buffer per request), Gemma 2 those and soft-capped scores.
+    metainfer serves them through its paged attention, eagerly and compiled, with greedy
+    tokens equal to the model's own generate()."""
+    model = tiny_hf_model(arch, attn=attn, **extra)
     reqs = prompts((5, 17, 33, 9, 2))
     ref = [model.generate(torch.tensor([r]), generation_config=GREEDY)[0, len(r):].tolist() for r in reqs]
     for mode in ("never", "always"):

@@ -27,6 +27,18 @@ def tokens(results):
     return [r.generated_tokens for r in results.values()]
 
 
+def finished(manager, ids) -> list[list[int]]:
+    """The generated tokens of the requests `ids`, in that order, once each has finished."""
+    got = {}
+    while len(got) < len(ids):
+        r = manager.get_result(timeout=30)
+        assert r is not None, "the engine stopped"
+        assert r.error is None, r.error
+        if r.is_finished():
+            got[r.request_id] = r.generated_tokens
+    return [got[i] for i in ids]
+
+
 _SLOW = pytest.mark.slow  # the eager forms: same engine path as sdpa's, attention fused from another form
 # (tests/test_pass_attention.py covers that form)
 
@@ -95,13 +107,8 @@ def test_the_streaming_manager():
         ids = [manager.add_request(r) for r in reqs]
         with pytest.raises(ValueError, match="request refused: prompt is empty"):
             manager.add_request([])
-        got = {}
-        while len(got) < len(ids):
-            r = manager.get_result(timeout=30)
-            assert r is not None, "the engine stopped"
-            if r.is_finished():
-                got[r.request_id] = r.generated_tokens
-    assert [got[i] for i in ids] == tokens(plain)
+        got = finished(manager, ids)
+    assert got == tokens(plain)
     assert opt.report.sections, "the manager's steps ran metainfer's graphs"
     assert model.config._attn_implementation == original
 
@@ -258,14 +265,8 @@ def test_every_way_in_checks_the_request_first():
         with pytest.raises(ValueError, match="input 0: prompt of 60 tokens \\+ 6 new reaches position 66, past "
                                              "the model's 64 positions"):
             manager.add_requests([[3] * 60])
-        ids = manager.add_requests(good)
-        got = {}
-        while len(got) < len(ids):
-            r = manager.get_result(timeout=30)
-            assert r is not None, "the engine stopped"
-            if r.is_finished():
-                got[r.request_id] = r.generated_tokens
-    assert [got[i] for i in ids] == plain, "nothing of the refused calls was queued"
+        got = finished(manager, manager.add_requests(good))
+    assert got == plain, "nothing of the refused calls was queued"
     out = opt.generate_batch([good[0], [3] * 60], generation_config=GREEDY)
     assert [r.error for r in out.values()] == [None, "prompt of 60 tokens + 6 new reaches position 66, past the "
                                                      "model's 64 positions"]
@@ -338,11 +339,5 @@ def test_architectures_the_plain_engine_cannot_serve(arch, attn, extra):
         assert len(opt.report.sections) <= (2 if mode == "always" else 0), opt.report.compiles()
     with opt.init_continuous_batching(generation_config=GREEDY,
                                       continuous_batching_config=ContinuousBatchingConfig(**SMALL)) as manager:
-        ids = manager.add_requests(reqs)
-        got = {}
-        while len(got) < len(ids):
-            r = manager.get_result(timeout=30)
-            assert r is not None and r.error is None
-            if r.is_finished():
-                got[r.request_id] = r.generated_tokens
-    assert [got[i] for i in ids] == ref
+        got = finished(manager, manager.add_requests(reqs))
+    assert got == ref

@@ -199,6 +199,14 @@ class OptimizedModel:
         return f"<metainfer.OptimizedModel of {type(self.model).__name__} for {self.target.name}>"
 
 
+def _gpu_capability(model: torch.nn.Module) -> tuple[int, int] | None:
+    """The compute capability of the GPU holding the model's parameters (None off a GPU)."""
+    param = next(iter(model.parameters()), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(param.device)
+
+
 def _check_generation_length(model, ids: torch.Tensor, kwargs: dict) -> None:
     """A Hugging Face generate() that would run past the model's positions is refused before it
     starts (not at the step that gets there)."""
@@ -335,6 +343,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
 
     t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
+    t, arch_note = _targets.for_device(_targets.get(t), _gpu_capability(model))
+    dist_notes = dist_notes + ([arch_note] if arch_note else [])
     if example_inputs is not None:
         check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metainfer import targets
 from metainfer.kernels.moe import FP8_DTYPES as KERNEL_FP8
 from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
+
 from .fp8_dequant import NotDequant, find_dequant
 from .matching import (
     CONVERT_OPS, FLOAT_DTYPES, Node, aten, dtype, escaping_uses, insert_call, is_op, is_reshape, is_size_read, location, peel, shape,
@@ -78,11 +80,28 @@ class FuseMoE(Pass):
                 continue
             if site is None:
                 continue
+            why_not = _fp8_unsupported(site, ctx.target)
+            if why_not:
+                res.near_misses.append(f"{location(node)}: experts not fused: {why_not}")
+                continue
             _rewrite(graph, site)
             res.matches += 1
             res.decisions.append(_describe(site))
         res.modified = res.matches > 0
         return res
+
+
+def _fp8_unsupported(site: Site, target) -> str | None:
+    """Why the kernel cannot take these FP8 experts on the target's GPU (None if it can):
+    Triton has no float8_e4m3fn before sm_89, and this kernel does not decode the bytes itself
+    (fp8_gemm does). Decided here, so no compiled graph raises it."""
+    if site.scales[0] is None or target.device.kind != "cuda":
+        return None
+    cap = targets.capability(target.device.arch)
+    if cap is None or cap >= (8, 9):
+        return None
+    return (f"FP8 experts need Triton's float8_e4m3fn, sm_89 or newer; target {target.name} is {target.device.arch}: "
+            "left as the graph has them (dequantised per expert)")
 
 
 def _match(node: Node) -> Site | None:

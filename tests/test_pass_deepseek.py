@@ -154,6 +154,39 @@ def test_fuse_moe_on_the_reference_loop(name, dtype):
     assert_same(gm, after, args)
 
 
+def test_fuse_moe_leaves_fp8_experts_on_a_gpu_without_fp8():
+    """Triton has no float8_e4m3fn before sm_89: on an sm_80 target the pass declines (a near
+    miss naming the architecture) instead of a graph that raises inside the op; sm_89 fuses."""
+    import dataclasses
+
+    gm, _ = ds_graph("deepseek-v32-tiny-fp8")
+    cuda = targets.get("cuda")
+    for arch, fused in (("sm_80", 0), ("sm_89", 1)):
+        t = dataclasses.replace(cuda, device=dataclasses.replace(cuda.device, arch=arch))
+        mgr = PassManager([get_pass("fuse_moe")], t, explicit=True)
+        after = copy.deepcopy(gm)
+        mgr(after.graph)
+        rec = mgr.records[0]
+        assert rec.matches == fused, rec.near_misses
+        if not fused:
+            assert any("FP8 experts need Triton's float8_e4m3fn, sm_89 or newer; target cuda is sm_80" in n
+                       for n in rec.near_misses)
+
+
+def test_a_gpu_older_than_the_target_decides_for_itself():
+    assert targets.capability("sm_89") == (8, 9) and targets.capability("sm_100") == (10, 0)
+    assert targets.capability("") is None and targets.capability("gfx942") is None
+    pcie8 = targets.get("pcie8")  # L40S, sm_89
+    same, note = targets.for_device(pcie8, (8, 9))
+    assert same is pcie8 and note is None
+    newer, note = targets.for_device(pcie8, (9, 0))
+    assert newer is pcie8 and note is None, "a newer GPU runs what sm_89 was tuned for"
+    a100, note = targets.for_device(pcie8, (8, 0))
+    assert a100.device.arch == "sm_80" and note == ("target pcie8 declares sm_89; this GPU is sm_80: kernels and "
+                                                    "passes decide for sm_80")
+    assert targets.for_device(targets.get("cpu"), None) == (targets.get("cpu"), None)
+
+
 @pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("arch", ["DeepseekV3", "DeepseekV32"])
 def test_fuse_moe_on_transformers_experts(arch, experts):

@@ -138,6 +138,29 @@ class Target:
         return f"{self.name} ({self.description})"
 
 
+def capability(arch: str) -> tuple[int, int] | None:
+    """A GPU architecture name as a compute capability: "sm_89" -> (8, 9), "sm_100" -> (10, 0);
+    None for no or another name."""
+    if not arch.startswith("sm_") or not arch[3:].isdigit() or len(arch) < 5:
+        return None
+    return int(arch[3:-1]), int(arch[-1])
+
+
+def for_device(target: "Target", device_capability: tuple[int, int] | None) -> tuple["Target", str | None]:
+    """The target as the GPU it will run on allows: a device older than the target's architecture
+    (an A100, sm_80, under a target written for sm_89) makes kernels and passes decide for the
+    device's; returns the target and a note for the report (None if unchanged)."""
+    if target.device.kind != "cuda" or device_capability is None:
+        return target, None
+    declared = capability(target.device.arch)
+    if declared is not None and tuple(device_capability) >= declared:
+        return target, None
+    arch = f"sm_{device_capability[0]}{device_capability[1]}"
+    note = (f"target {target.name} declares {target.device.arch or 'no architecture'}; this GPU is {arch}: kernels "
+            f"and passes decide for {arch}")
+    return dataclasses.replace(target, device=dataclasses.replace(target.device, arch=arch)), note
+
+
 def names() -> list[str]:
     """Names of the built-in targets."""
     return sorted(p.stem for p in _BUILTIN_DIR.glob("*.toml"))

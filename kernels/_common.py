@@ -19,6 +19,15 @@ def check(cond: bool, kernel: str, msg: str) -> None:
         raise KernelInputError(f"{kernel}: {msg}")
 
 
+GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z dimensions (x goes to 2^31 - 1)
+
+
+def check_grid(grid: tuple, kernel: str, what: str) -> None:
+    """A launch grid CUDA accepts: y and z at most GRID_YZ_MAX (`what` names what y counts)."""
+    check(all(g <= GRID_YZ_MAX for g in grid[1:]), kernel,
+          f"{what} need a launch grid of {tuple(grid)}, past CUDA's {GRID_YZ_MAX} programs along y / z")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

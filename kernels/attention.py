@@ -36,8 +36,8 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, interpreted, next_pow2, split_count,
-                      tune_candidates)
+from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
+                      split_count, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -66,8 +66,9 @@ def _attention_fwd(
 ):
     # 64-bit offsets: a KV cache of batch x heads x tokens x head_dim passes 2^31 elements
     # (64 x 8 x 32k x 128), and int32 address arithmetic would wrap
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    # batch x heads along x (up to 2^31 programs), query blocks along y (CUDA allows 65,535)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -132,7 +133,7 @@ def _attention_fwd(
     if SPLIT:
         # partial results in the output's row order (b, h, query), merged by combine_splits;
         # a split past the causal limit still writes its empty state (m -inf, l 0)
-        at = (split.to(tl.int64) * tl.num_programs(1) + pid_bh) * seq_q + offs_m
+        at = (split.to(tl.int64) * tl.num_programs(0) + pid_bh) * seq_q + offs_m
         tl.store(WS_ACC + at[:, None] * head_dv + offs_dv[None, :], acc,
                  mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
         tl.store(WS_ML + at * 2, m_i, mask=row_ok)
@@ -243,9 +244,12 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     if len(candidates) > 1:
         bucket = (min(next_pow2(Sq), _MAX_Q_BUCKET), min(next_pow2(Sk), _MAX_K_BUCKET))
         tuned = autotuned(_attention_fwd, candidates, _TUNE_KEY, bucket)
-        tuned[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq, splits)](*args, **meta)
+        check_grid((B * Hq, triton.cdiv(Sq, min(c["BLOCK_M"] for c in candidates)), splits), NAME,
+                   f"{Sq} query rows")
+        tuned[lambda meta: (B * Hq, triton.cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **meta)
     else:
-        _attention_fwd[(q_blocks, B * Hq, splits)](
+        check_grid((B * Hq, q_blocks, splits), NAME, f"{Sq} query rows")
+        _attention_fwd[(B * Hq, q_blocks, splits)](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2),
         )

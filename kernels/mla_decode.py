@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
-from ._common import check, check_float, interpreted, next_pow2, split_count
+from ._common import check, check_float, check_grid, interpreted, next_pow2, split_count
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -92,8 +92,9 @@ def _mla_fwd(
 ):
     # 64-bit row, head and batch offsets: B x T x R of a long latent cache (or a long-context
     # mask row) can pass 2**31 elements
-    i = tl.program_id(0).to(tl.int64)  # query row
-    pid = tl.program_id(1)
+    # batch x head blocks along x (up to 2^31 programs), query rows along y (CUDA allows 65,535)
+    pid = tl.program_id(0)
+    i = tl.program_id(1).to(tl.int64)  # query row
     split = tl.program_id(2)
     hb = pid % head_blocks
     b = (pid // head_blocks).to(tl.int64)
@@ -162,8 +163,8 @@ def _mla_fwd(
 
     if SPLIT:
         # partial results in the output's row order (b, head, query), merged by combine_splits
-        batch = tl.num_programs(1) // head_blocks
-        seq_q = tl.num_programs(0)
+        batch = tl.num_programs(0) // head_blocks
+        seq_q = tl.num_programs(1)
         at = ((split * batch + b) * num_heads + heads) * seq_q + i
         tl.store(WS_ACC + at[:, None] * dim_r + offs_r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
         tl.store(WS_ML + at * 2, m_i, mask=row_ok)
@@ -246,7 +247,8 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
         ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent.device)
     else:
         ws_acc = ws_ml = out  # not written
-    _mla_fwd[(Sq, B * head_blocks, splits)](
+    check_grid((B * head_blocks, Sq, splits), NAME, f"{Sq} query rows")
+    _mla_fwd[(B * head_blocks, Sq, splits)](
         q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml,
         *q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(), *istrides, *mstrides,
         *out.stride(),

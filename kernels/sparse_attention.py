@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
-from ._common import FLOAT_DTYPES, check, check_float, interpreted, next_pow2
+from . import _common
+from ._common import FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -62,7 +63,7 @@ def _sparse_attention_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     num_kv_heads, group, head_blocks, seq_k, topk, head_d, head_dv,
-    scale, causal_offset,
+    scale, causal_offset, batch_start,
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr,
@@ -78,7 +79,7 @@ def _sparse_attention_fwd(
     hb = pid % head_blocks
     bk = pid // head_blocks
     hk = bk % num_kv_heads
-    b = bk // num_kv_heads
+    b = batch_start + bk // num_kv_heads  # a launch covers a slice of the batch (grid y is capped)
 
     offs_g = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # position inside the kv group
     row_ok = offs_g < group
@@ -219,21 +220,27 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(group)))
     block_n = _block(config, "BLOCK_N")
     head_blocks = triton.cdiv(group, block_h)
-    grid = (Sq, B * Hkv * head_blocks)
-    _sparse_attention_fwd[grid](
-        q, k, v, indices, m, out,
-        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, *out.stride(),
-        Hkv, group, head_blocks, Sk, topk, D, Dv,
-        float(scale), int(causal_offset),
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
-        BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
-    )
+    # query rows along x (a long prefill passes 65,535); batch x kv heads x head blocks along y,
+    # launched in slices of the batch where they would pass CUDA's 65,535
+    per_batch = Hkv * head_blocks
+    check_grid((Sq, per_batch), NAME, f"{Hkv} kv heads x {head_blocks} head blocks")
+    step = max(1, _common.GRID_YZ_MAX // per_batch)
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        _sparse_attention_fwd[(Sq, (b1 - b0) * per_batch)](
+            q, k, v, indices, m, out,
+            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, *out.stride(),
+            Hkv, group, head_blocks, Sk, topk, D, Dv,
+            float(scale), int(causal_offset), b0,
+            MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+            BLOCK_H=block_h, BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
+            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        )
     return out
 
 

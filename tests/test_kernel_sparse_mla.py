@@ -146,6 +146,26 @@ def test_sparse_cpu_path_matches_reference(p):
         check(SA.cpu_forward(*args), SA.reference(*args), p["dtype"])
 
 
+def test_grids_fold_or_refuse_past_cudas_y_limit(interpret):
+    """CUDA allows 65,535 programs along a grid's y and z. With the limit made 2 here: sparse
+    attention (batch x kv heads x head blocks along y) launches its batch in slices of one with
+    the same result; attention and MLA decode (batch x heads along x) refuse only a query count
+    past it, by name."""
+    from metainfer.kernels import _common
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 9, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g), torch.randn(3, 2, 11, 8, generator=g)
+    idx = torch.stack([torch.randperm(11, generator=g)[:6] for _ in range(3 * 9)]).view(3, 9, 6)
+    mask = torch.randn(3, 1, 9, 11, generator=g)
+    args = (q, k, v, idx, mask, 0.25, True, 3, False)
+    with mock.patch.object(_common, "GRID_YZ_MAX", 2):  # 2 kv heads x 1 head block: one batch entry a launch
+        out = SA.launch(*args, config=cfg(SA))
+        with pytest.raises(KernelInputError, match="40 query rows need a launch grid of \\(6, 3, 1\\)"):
+            A.launch(torch.randn(3, 2, 40, 16), k[:, :, :8], v[:, :, :8, :], None, 0.25, False, 0,
+                     config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    check(out, SA.reference(*args), torch.float32)
+
+
 def test_sparse_with_every_key_selected_is_dense_attention(interpret):
     q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 24)
     idx = torch.arange(11).flip(0).expand(2, 9, 11)  # every key, in any order, as a stride-0 view

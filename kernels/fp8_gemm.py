@@ -276,6 +276,8 @@ def _plan(device: torch.device) -> dict:
     return dict(FP8_NATIVE=native, FP8_DOT=native)
 
 
+FP8_DOT_MIN_K = 32  # "Input shapes should have M >= 1, N >= 1 and K >= 32" (Triton 3.9, fp8 dot on sm_89/sm_90)
+
 # triton.autotune (CUDA only) re-times per weight shape and these flags, once per M bucket
 _TUNE_KEY = ("N", "K", "HAS_BIAS", "ACT_QUANT", "FP8_DOT", "SPLIT_K")
 _MAX_M_BUCKET = 4096
@@ -323,14 +325,18 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     args = (a, xs, wk, scale_inv, bias if bias is not None else y2, y2, partial,
             M, N, K, block_n, block_k, k_per_split,
             a.stride(0), *xs_strides, *w.stride(), *scale_inv.stride(), y2.stride(0))
+    candidates = tune_candidates(row, clamp) if _common.autotune_enabled(x.device) else []
+    # an FP8 tl.dot needs a K tile of FP8_DOT_MIN_K on sm_89/sm_90 (the interpreter does not
+    # enforce it): a smaller tile (a small K or scale block) dots the tiles as fp16, which holds
+    # every e4m3 value exactly, so the result is the same
+    fp8_dot = plan["FP8_DOT"] and min([bk] + [c["BLOCK_K"] for c in candidates]) >= FP8_DOT_MIN_K
     meta = dict(
         HAS_BIAS=bias is not None, SPLIT_K=splits > 1, ACT_QUANT=bool(act_quant),
-        FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=plan["FP8_DOT"],
+        FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=fp8_dot,
         # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
         # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
         UPCAST=x.dtype == torch.float32 or (interpreted() and x.dtype == torch.bfloat16),
     )
-    candidates = tune_candidates(row, clamp) if _common.autotune_enabled(x.device) else []
     if len(candidates) > 1:
         tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
         tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **meta)

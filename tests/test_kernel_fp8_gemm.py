@@ -265,6 +265,31 @@ def test_config_clamped_to_scale_blocks_and_validated(interpret):
             K.launch(x, w, s, None, 16, 16, False, config=bad)
 
 
+def test_fp8_dot_only_on_k_tiles_of_32(interpret):
+    """W8A8 dots the FP8 tiles directly only where the K tile is at least 32 (an fp8 tl.dot's
+    minimum on sm_89/sm_90); a 16-wide scale block or K of 16 dots them as fp16 (exact for
+    e4m3), with the same result."""
+    seen = []
+    real = K._fp8_gemm_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                seen.append((meta["BLOCK_K"], meta["FP8_DOT"]))
+                return real[grid](*args, **meta)
+            return run
+
+    x = torch.randn(5, 64)
+    with mock.patch.object(K, "_fp8_gemm_fwd", Spy()):
+        for bk, kd in ((16, 64), (32, 64), (128, 16)):
+            w, s = K.quantize_weight(torch.randn(24, kd), 16, bk)
+            xk = x[:, :kd]
+            ref = K.reference(xk, w, s, None, 16, bk, True)
+            out = K.launch(xk, w, s, None, 16, bk, True, config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64))
+            assert_within(out, ref, ref_bound(ref, magnitude(xk, w, s, 16, bk), torch.float32), f"bk {bk} K {kd}")
+    assert seen == [(16, False), (32, True), (16, False)]
+
+
 def test_empty_and_single_rows(interpret):
     w, s = K.quantize_weight(torch.randn(20, 40), 16, 16)
     x1 = torch.randn(40)

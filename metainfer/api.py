@@ -201,7 +201,7 @@ class OptimizedModel:
 
 def _gpu_capability(model: torch.nn.Module) -> tuple[int, int] | None:
     """The compute capability of the GPU holding the model's parameters (None off a GPU)."""
-    param = next(iter(model.parameters()), None)
+    param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
     if param is None or param.device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(param.device)

@@ -66,8 +66,11 @@ class ServingCompile:
         self._opt = opt
         self.compiled: dict[str, str] = {}  # step shape -> why its graph was compiled
         self.eager = {shape: [0.0, 0, 0] for shape in self.SHAPES}  # seconds, tokens, steps served eagerly
+        self.job = False  # a tensor-parallel job's rank: compiled at the first step
+        self.failure: str | None = None  # why the graph could not be compiled
         self._dir = Path(opt._backend.cache_dir) / "serving"
         self._key_cache: str | None = None
+        self._predicted: tuple[float, str] | None = None  # read from the records once, until one is stored
 
     @staticmethod
     def shape(tokens: int) -> str:
@@ -86,8 +89,8 @@ class ServingCompile:
         if shape in self.compiled:
             return True
         if self.mode == "always":
-            self.compiled[shape] = ("compiled at the first step: ranks of a job switch together" if getattr(
-                self, "job", False) else "serve_compile='always': compiled at the first step")
+            self.compiled[shape] = ("compiled at the first step: ranks of a job switch together" if self.job
+                                    else "serve_compile='always': compiled at the first step")
             return True
         seconds, done, steps = self.eager[shape]
         if self.mode == "never" or done == 0:  # measure the eager rate first
@@ -128,7 +131,7 @@ class ServingCompile:
         self.failure = str(error).splitlines()[0][:300]
 
     def note(self) -> str:
-        if getattr(self, "failure", None):
+        if self.failure:
             return f"serving compile: the graph could not be compiled, every step eager: {self.failure}"
         if self.mode == "never":
             return "serving compile: serve_compile='never': every step eager (metainfer's paged attention, no graph)"
@@ -146,6 +149,13 @@ class ServingCompile:
 
     # -- measured compile costs ----------------------------------------------------------
     def predicted_compile_seconds(self) -> tuple[float, str]:
+        """(seconds, where the figure comes from) a compile of this model's serving graph is
+        predicted to take; read from the records once (an eager step asks), again after a store."""
+        if self._predicted is None:
+            self._predicted = self._predict()
+        return self._predicted
+
+    def _predict(self) -> tuple[float, str]:
         own = self._load(self._key)
         lowering = self._opt._backend.lowering
         cached = lowering == "aot_eager" or (self._dir.parent / "inductor").is_dir()  # not cleared since
@@ -202,6 +212,7 @@ class ServingCompile:
         return out
 
     def _store(self, kind: str, seconds: float) -> None:
+        self._predicted = None
         data = self._load(self._key)
         data.update({kind: round(seconds, 3), "layers": _layers(self._opt.model),
                      "lowering": self._opt._backend.lowering, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -242,8 +242,6 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
     defaults instead (the plain engine's can take most of the machine's memory)."""
     from tqdm.auto import tqdm
 
-    import metainfer
-
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
@@ -291,7 +289,6 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
             row.reference_equal = sum(a == b for a, b in zip(last[2], reference))
             row.reference_prefix = statistics.mean(_common_prefix(a, b) / max(1, len(b))
                                                     for a, b in zip(last[2], reference))
-        row._tokens = last[2]  # type: ignore[attr-defined]
         rows.append(row)
     return rows
 
@@ -301,15 +298,16 @@ TUNED_BATCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 
 def workload_blocks(workload: Workload, page_size: int = 256) -> int:
     """KV blocks that hold every request of the workload whole at once, plus a spare."""
-    return sum(-(-(r.prompt_tokens + workload.prefix_tokens * (r.prefix_group is not None) + r.output_tokens)
-                 // page_size) for r in workload.requests) + 1
+    from metainfer.serving import blocks_to_hold
+
+    return blocks_to_hold([r.prompt_tokens + workload.prefix_tokens * (r.prefix_group is not None) + r.output_tokens
+                           for r in workload.requests], page_size)
 
 
 class _Server:
     """One way of serving: `modes()` gives the batch and streaming entry points."""
 
-    def __init__(self, variant, model, batch, manager, graphs=lambda: None, notes=lambda: []):
-        self.variant, self.model = variant, model
+    def __init__(self, batch, manager, graphs=lambda: None, notes=lambda: []):
         self._batch, self._manager = batch, manager
         self.graphs, self.notes = graphs, notes
 
@@ -320,8 +318,8 @@ class _Server:
 class _TunedServer(_Server):
     """The plain engine at the max_batch_tokens that served the workload fastest in round 0."""
 
-    def __init__(self, model, cb_config: dict, batch, manager):
-        super().__init__("cb-tuned", model, batch, manager, notes=lambda: [self.sweep_note] if self.sweep_note else [])
+    def __init__(self, cb_config: dict, batch, manager):
+        super().__init__(batch, manager, notes=lambda: [self.sweep_note] if self.sweep_note else [])
         self.base, self.best, self.sweep_note = cb_config, None, ""
 
     def sweep(self, prompts, workload, outputs):
@@ -350,16 +348,15 @@ def _server(variant, model, workload, target, cb_config, lowering, cache_dir) ->
         return None if cfg is None and not extra else ContinuousBatchingConfig(**{**(cfg or {}), **extra})
 
     if variant == "hf-generate":
-        return _Server(variant, model, None, None)
+        return _Server(None, None)
     if variant in ("cb+metainfer", "cb+metainfer-auto"):
         opt = metainfer.optimize(model, target, lowering=lowering, cache_dir=cache_dir,
                                  serve_compile="always" if variant == "cb+metainfer" else "auto")
-        return _Server(variant, model,
-                       lambda ps, n, cfg: opt.generate_batch(ps, generation_config=_greedy(model, n),
-                                                             continuous_batching_config=engine_cfg(cfg or cb_config),
-                                                             record_timestamps=True),
-                       lambda n, cfg: opt.init_continuous_batching(generation_config=_greedy(model, n),
-                                                                   continuous_batching_config=engine_cfg(cfg or cb_config)),
+        return _Server(lambda ps, n, cfg: opt.generate_batch(
+                           ps, generation_config=_greedy(model, n), continuous_batching_config=engine_cfg(cfg or cb_config),
+                           record_timestamps=True),
+                       lambda n, cfg: opt.init_continuous_batching(
+                           generation_config=_greedy(model, n), continuous_batching_config=engine_cfg(cfg or cb_config)),
                        graphs=lambda: len(opt.report.sections),
                        notes=lambda: _latest_by_kind(n for n in opt.report.notes if n.startswith("serving")))
     extra = {}
@@ -382,8 +379,8 @@ def _server(variant, model, workload, target, cb_config, lowering, cache_dir) ->
     if variant == "cb-tuned":
         base = dict(cb_config or {})
         base.setdefault("num_blocks", workload_blocks(workload, base.get("page_size", 256)))
-        return _TunedServer(model, base, lambda ps, n, cfg: batch(ps, n, cfg), manager)
-    return _Server(variant, model, lambda ps, n, _cfg: batch(ps, n, cb_config), lambda n, _cfg: manager(n, cb_config),
+        return _TunedServer(base, batch, manager)
+    return _Server(lambda ps, n, _cfg: batch(ps, n, cb_config), lambda n, _cfg: manager(n, cb_config),
                    graphs=(lambda: counted[0]) if variant == "cb+inductor" else (lambda: None))
 
 

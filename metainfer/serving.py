@@ -208,11 +208,14 @@ class Capacity:
     page_size: int
     max_batch_tokens: int
     why: str
+    memory: str = ""  # the memory bound that applied, in words (choose_capacity)
 
     @property
     def tokens(self) -> int:
         return self.num_blocks * self.page_size
 
+
+ENGINE_MAX_BATCH_TOKENS = 8192  # transformers' continuous batching default (PagedAttentionMemoryHandler)
 
 # Of the memory the OS reports available on a host, the share the KV pool may take: the host is
 # shared with the OS, its page cache and other processes, and the engine zero-fills the pool up
@@ -240,7 +243,8 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
-                    max_batch_tokens: int = 8192, available: tuple[int, str] | None = None) -> Capacity:
+                    max_batch_tokens: int = ENGINE_MAX_BATCH_TOKENS,
+                    available: tuple[int, str] | None = None) -> Capacity:
     """KV pool: the smallest of three bounds, the report saying which decided:
     - the target's memory after the weights and one step's activations;
     - the machine's memory as it is: what is available now (the weights, already loaded, are
@@ -263,7 +267,7 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     # each cached token also costs what a step reads back of it at the attention peak (one layer's
     # keys and values gathered; an MLA layer's latents decompressed to heads): the engine refuses a
     # pool whose footprint with these passes what it sees available
-    read_per_token = _read_bytes_per_token(cfg, shape.act_bytes)
+    read_per_token = _read_bytes_per_token(shape)
     block_bytes = (kv_per_token + read_per_token) * page_size
     device = next(model.parameters()).device
     free, source = available if available is not None else available_memory(device)
@@ -283,32 +287,35 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
                          f"{max(budget, 0) / 2**20:.1f} MiB; lower max_batch_tokens or free memory")
     by_memory = int(budget // block_bytes)
     other = next(v for k, v in bounds.items() if k != bound)
-    memory += f" (the {'machine' if bound == 'target' else 'target'} would allow {int(max(other[0], 0) // block_bytes)})"
+    allows = f"the {'machine' if bound == 'target' else 'target'} would allow {int(max(other[0], 0) // block_bytes)}"
     if request_tokens:
-        need = sum(math.ceil(n / page_size) for n in request_tokens) + 1
+        need = blocks_to_hold(request_tokens, page_size)
         num_blocks = max(1, min(by_memory, need))
-        reason = (f"what the {len(request_tokens)} requests can hold at once ({memory.split(' (')[0]} would allow "
-                  f"{by_memory})" if num_blocks == need else f"{memory}; the workload could use {need}")
+        reason = (f"what the {len(request_tokens)} requests can hold at once ({memory} would allow {by_memory})"
+                  if num_blocks == need else f"{memory} ({allows}); the workload could use {need}")
     else:
-        num_blocks, reason = by_memory, memory
+        num_blocks, reason = by_memory, f"{memory} ({allows})"
     why = (f"KV pool {num_blocks} blocks x {page_size} tokens ({num_blocks * page_size * kv_per_token / 2**20:.1f} MiB, "
            f"{kv_per_token:.0f} B per token, {read_per_token:.0f} B more per token read back in a step): {reason}; "
            f"max_batch_tokens {max_batch_tokens}")
-    return Capacity(num_blocks, page_size, max_batch_tokens, why)
+    return Capacity(num_blocks, page_size, max_batch_tokens, why, memory)
 
 
-def _read_bytes_per_token(cfg, act_bytes: int) -> int:
+def blocks_to_hold(request_tokens: list[int], page_size: int) -> int:
+    """KV blocks that hold every request (prompt + new tokens each) whole at once, plus a spare."""
+    return sum(math.ceil(n / page_size) for n in request_tokens) + 1
+
+
+def _read_bytes_per_token(shape) -> float:
     """Bytes a step reads back for each cached token at the attention peak, as transformers'
     engine counts it for flash-style attention (cache.py, PagedAttentionMemoryHandler.
     kv_numel_at_peak): one layer's keys and values, or an MLA layer's two latents and the keys and
     values they decompress into (values padded to the key head dim where they differ)."""
-    if getattr(cfg, "kv_lora_rank", None) is None:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return 2 * kv_heads * head_dim * act_bytes
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    expanded = cfg.qk_nope_head_dim + cfg.v_head_dim + qk + (qk if cfg.v_head_dim != qk else 0)
-    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.num_attention_heads * expanded) * act_bytes
+    if not shape.mla:
+        return shape.kv_bytes_per_token() / shape.layers
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    expanded = shape.qk_nope_head_dim + shape.v_head_dim + qk + (qk if shape.v_head_dim != qk else 0)
+    return (shape.kv_lora_rank + shape.qk_rope_head_dim + shape.heads * expanded) * shape.act_bytes
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -355,8 +362,8 @@ def _engine_config(opt, cb_config, request_tokens: list[int] | None):
     if cfg.num_blocks is not None:
         fits = choose_capacity(opt, None, page, batch_tokens)
         if cfg.num_blocks > fits.num_blocks:
-            raise ValueError(f"a KV pool of {cfg.num_blocks} blocks x {page} tokens does not fit: "
-                             f"{fits.why.split(': ', 1)[1].split('; max_batch_tokens')[0]} allows {fits.num_blocks}")
+            raise ValueError(f"a KV pool of {cfg.num_blocks} blocks x {page} tokens does not fit: {fits.memory} "
+                             f"allows {fits.num_blocks}")
         cap = Capacity(cfg.num_blocks, page, batch_tokens,
                        f"KV pool {cfg.num_blocks} blocks x {page} tokens, as given; max_batch_tokens {batch_tokens} "
                        f"({given})")
@@ -364,9 +371,6 @@ def _engine_config(opt, cb_config, request_tokens: list[int] | None):
         cap = choose_capacity(opt, request_tokens, page, batch_tokens)
         cap.why += f" ({given})"
     return dataclasses.replace(cfg, num_blocks=cap.num_blocks, max_batch_tokens=batch_tokens), cap
-
-
-ENGINE_MAX_BATCH_TOKENS = 8192  # transformers' continuous batching default (PagedAttentionMemoryHandler)
 
 
 @contextlib.contextmanager
@@ -439,9 +443,7 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
         raise TypeError(f"generate_batch got unexpected arguments {sorted(kwargs)}")
     valid = [p for p in prompts if inputs.request_error(p, None) is None]
     cfg, cap = _engine_config(opt, continuous_batching_config, [len(p) + max_new for p in valid] or None)
-    note = f"serving capacity: {cap.why}"
-    if note not in opt.report.notes:
-        opt.report.notes.append(note)
+    _note(opt, f"serving capacity: {cap.why}")
     problems = [request_problem(opt, p, max_new, cap.tokens, cap.page_size) for p in prompts]
     good = [i for i, why in enumerate(problems) if why is None]
     results: dict[int, list] = {}

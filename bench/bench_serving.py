@@ -109,15 +109,9 @@ def main(argv=None) -> int:
         if name not in a.only:
             continue
         w = make()
-        reference = None
+        reference = float32_reference(a.model, w)  # what every dtype's tokens are scored against
         for dtype in a.dtype:
             m = servebench.build_model(a.model, dtype=DTYPES[dtype])
-            if reference is None and dtype == "float32":
-                # the plain engine in float32: what bf16 tokens are scored against
-                reference = [o.generated_tokens for o in m.generate_batch(
-                    w.prompts(m.config.vocab_size), generation_config=servebench._greedy(m, w.requests[0].output_tokens),
-                    continuous_batching_config=__import__("transformers").ContinuousBatchingConfig(
-                        num_blocks=servebench.workload_blocks(w), max_batch_tokens=2048)).values()]
             rows = servebench.run(m, w, variants=[v for v in TUNED if v in a.variants], rounds=a.rounds,
                                   reference=reference)
             print(f"\n== {name}, {dtype}: {len(w.requests)} requests, {sum(r.prompt_tokens for r in w.requests)} prompt "
@@ -133,6 +127,17 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
     return 0
+
+
+def float32_reference(model_name: str, w) -> list[list[int]]:
+    """Each request's greedy tokens from the plain engine on the model in float32."""
+    from transformers import ContinuousBatchingConfig
+
+    m = servebench.build_model(model_name, dtype=torch.float32)
+    out = m.generate_batch(w.prompts(m.config.vocab_size), generation_config=servebench._greedy(
+        m, w.requests[0].output_tokens), continuous_batching_config=ContinuousBatchingConfig(
+        num_blocks=servebench.workload_blocks(w), max_batch_tokens=2048))
+    return [o.generated_tokens for o in out.values()]
 
 
 def cold_start(model_name: str, dtypes, threads: int | None) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -140,3 +142,60 @@ def autotuned(kernel, candidates: list[dict], key: tuple[str, ...], bucket):
         bench = {} if AUTOTUNE_BENCH is None else {"do_bench": AUTOTUNE_BENCH}
         tuner = _tuners[memo] = triton.autotune(configs=configs, key=list(key), **bench)(kernel)
     return tuner
+
+
+# ---- out of resources: a smaller config instead of an error ------------------------------------
+
+def _out_of_resources() -> type[Exception]:
+    from triton.runtime.errors import OutOfResources
+    return OutOfResources
+
+
+def smaller_config(config: dict) -> dict | None:
+    """One step down from `config`: fewer pipeline stages, then half BLOCK_N, then half BLOCK_M
+    (never below 16, tl.dot's least); None when nothing is left to shrink. Tuning is dropped: the
+    alternatives were the row's, sized for the device the row was written for."""
+    cfg = {k: v for k, v in config.items() if k not in ("AUTOTUNE", "SMALL_M", "WIDE_R")}
+    if cfg.get("num_stages", 2) > 1:
+        return {**cfg, "num_stages": cfg.get("num_stages", 2) - 1}
+    for key in ("BLOCK_N", "BLOCK_M", "BLOCK_K"):
+        if cfg.get(key, 0) > 16:
+            return {**cfg, key: cfg[key] // 2}
+    return None
+
+
+# (launcher, its config, the tensors' dtypes and last dims) -> the config that fitted
+_fitted: dict = {}
+
+
+def _shape_key(args) -> tuple:
+    return tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
+                 for a in args)
+
+
+def retries_smaller(kernel: str):
+    """A launcher decorator: when Triton refuses the launch for want of shared memory or registers
+    (OutOfResources, raised before anything runs), launch again with `smaller_config` until one
+    fits, and reuse that config for the same launcher, config and dtypes / last dims. Each shrink
+    is warned of once, naming the kernel and both configs."""
+
+    def wrap(launch):
+        @functools.wraps(launch)
+        def launcher(*args, config: dict, **kwargs):
+            key = (kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), _shape_key(args))
+            cfg = _fitted.get(key, config)
+            while True:
+                try:
+                    out = launch(*args, config=cfg, **kwargs)
+                except _out_of_resources() as e:
+                    smaller = smaller_config(cfg)
+                    if smaller is None:
+                        raise
+                    warnings.warn(f"{kernel}: {e}; retrying with {smaller} instead of {cfg}", stacklevel=2)
+                    cfg = smaller
+                    continue
+                if cfg is not config:
+                    _fitted[key] = cfg
+                return out
+        return launcher
+    return wrap

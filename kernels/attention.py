@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
+from ._common import (retries_smaller, FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "attention"
@@ -192,6 +192,7 @@ _TUNE_KEY = ("BLOCK_D", "BLOCK_DV", "MASK_KIND", "CAUSAL", "SOFTCAP", "WINDOW", 
 _MAX_Q_BUCKET, _MAX_K_BUCKET = 256, 16384
 
 
+@retries_smaller(NAME)
 def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False,
            softcap: float = 0.0, window: int = 0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,

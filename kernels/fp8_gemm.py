@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import (TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
+from ._common import (retries_smaller, TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "fp8_gemm"
@@ -283,6 +283,7 @@ _TUNE_KEY = ("N", "K", "HAS_BIAS", "ACT_QUANT", "FP8_DOT", "SPLIT_K")
 _MAX_M_BUCKET = 4096
 
 
+@retries_smaller(NAME)
 def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,

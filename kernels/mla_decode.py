@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
-from ._common import check, check_float, check_grid, interpreted, next_pow2, split_count
+from ._common import retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -63,8 +63,11 @@ DEFAULT_CONFIGS = {
     # R=512, P=64, bf16, sm_90: compiled ahead of time with Triton 3.9 (no run): 255 registers,
     # 0-8 B spilled; 2 stages spilled ~30 B, BLOCK_H=64 ~600 B. Not timed on a GPU yet.
     # Splits of >= 256 keys: 8 blocks of 32 per program amortise the combine's extra pass.
+    # WIDE_R: the blocks for a latent dim above MAX_R (lowering/aot.py, sm_89: R=1024 with the
+    # row's BLOCK_N=32 asks 165,888 B of shared memory, Ada has 101,376; BLOCK_N=16 with 2 stages
+    # asks 70,144 B, with 1 stage 100,352 B).
     "cuda": {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "SPLIT_MIN": 256,
-             "MAX_SPLITS": 16},
+             "MAX_SPLITS": 16, "WIDE_R": {"MAX_R": 512, "BLOCK_N": 16, "num_stages": 2}},
 }
 
 
@@ -216,6 +219,7 @@ def _block(config: dict, key: str) -> int:
     return val
 
 
+@retries_smaller(NAME)
 def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
            zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages, and the key
@@ -236,6 +240,9 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
         idx, istrides, topk = q_latent, (0, 0, 0), 0
     else:
         idx, istrides, topk = indices, indices.stride(), indices.shape[2]
+    wide = config.get("WIDE_R")
+    if wide is not None and R > wide["MAX_R"]:
+        config = {**config, **{k: v for k, v in wide.items() if k != "MAX_R"}}
     # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
     block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
     block_n = _block(config, "BLOCK_N")

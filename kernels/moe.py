@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot
-from ._common import check, check_float, gpu_capability, interpreted
+from ._common import retries_smaller, check, check_float, gpu_capability, interpreted
 
 NAME = "moe"
 
@@ -298,6 +298,7 @@ def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tupl
     return bm, bn, bk
 
 
+@retries_smaller(NAME)
 def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
            block_n: int = 128, block_k: int = 128, *, config: dict) -> torch.Tensor:
     """Run the two Triton kernels. `config`: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages."""

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import check, check_float, interpreted, next_pow2
+from ._common import retries_smaller, check, check_float, interpreted, next_pow2
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
@@ -174,6 +174,7 @@ def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
     return max(1, min(config.get("MAX_SPLITS", 8), triton.cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
 
 
+@retries_smaller(NAME)
 def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
            window: int = 0, softcap: float = 0.0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. max_q / max_k (the longest request's query and key counts) size

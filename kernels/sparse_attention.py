@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
 from . import _common
-from ._common import FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
+from ._common import retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -199,6 +199,7 @@ def _block(config: dict, key: str) -> int:
     return val
 
 
+@retries_smaller(NAME)
 def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
            zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages."""
@@ -347,15 +348,8 @@ def fix_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool,
     idx = indices.long()
     valid = (idx >= 0) & (idx < Sk)
     gidx = idx.clamp(0, Sk - 1)
-    kept = valid[:, None].expand(B, Hq, Sq, idx.shape[-1])
-    if causal:
-        rows = torch.arange(Sq, device=q.device)[None, :, None]
-        kept = kept & (gidx <= rows + causal_offset)[:, None]
-    if mask is not None:
-        vals = gather_mask(mask, (B, Hq, Sq, Sk), 0, Sq, gidx)
-        kept = kept & (vals if vals.dtype == torch.bool else vals > _DROP_FLOOR)
-    empty = ~kept.any(-1)  # (B, Hq, Sq)
-    if not bool(empty.any()):
+    empty = empty_rows(q, k, indices, mask, causal, causal_offset)  # (B, Hq, Sq)
+    if not bool(empty.any()):  # the CPU path: reading it back costs nothing
         return out
     b, h, i = empty.nonzero(as_tuple=True)
     group = Hq // Hkv
@@ -381,3 +375,110 @@ def fix_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool,
 
 
 _DROP_FLOOR = torch.finfo(torch.float16).min
+
+
+def empty_rows(q, k, indices, mask, causal: bool, causal_offset: int) -> torch.Tensor:
+    """(B, Hq, Sq) bool: the query rows that keep none of their selected keys (on the device)."""
+    B, Hq, Sq, _ = q.shape
+    Sk = k.shape[2]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < Sk)
+    gidx = idx.clamp(0, Sk - 1)
+    kept = valid[:, None].expand(B, Hq, Sq, idx.shape[-1])
+    if causal:
+        rows = torch.arange(Sq, device=q.device)[None, :, None]
+        kept = kept & (gidx <= rows + causal_offset)[:, None]
+    if mask is not None:
+        vals = gather_mask(mask, (B, Hq, Sq, Sk), 0, Sq, gidx)
+        kept = kept & (vals if vals.dtype == torch.bool else vals > _DROP_FLOOR)
+    return ~kept.any(-1)
+
+
+@triton.jit
+def _unselected_rows_fwd(
+    Q, K, V, IDX, M, EMPTY, O,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ib, stride_im, stride_it,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_heads, group, seq_q, seq_kv, topk, dim, dim_v,
+    scale, causal_offset, fill,
+    MASK_FLOAT: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # one program per (batch x head, query row); a row that keeps a selected key returns at once
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    if tl.load(EMPTY + bh.to(tl.int64) * seq_q + i) == 0:
+        return
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    kvh = h // group
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + i * stride_qm + offs_d * stride_qd,
+                mask=offs_d < dim, other=0.0).to(tl.float32)
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for start in range(0, seq_kv, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_kv
+        k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=n_ok[:, None] & (offs_d[None, :] < dim), other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], 1) * scale
+        if MASK_FLOAT:
+            # a selected key carries the mask's value (it dropped the key), the rest the fill
+            hits = tl.zeros([BLOCK_N], tl.int32)
+            for t0 in range(0, topk, BLOCK_T):
+                offs_t = t0 + tl.arange(0, BLOCK_T)
+                idx = tl.load(IDX + b * stride_ib + i * stride_im + offs_t * stride_it, mask=offs_t < topk, other=-1)
+                hits += tl.sum((offs_n[:, None] == idx[None, :]).to(tl.int32), 1)
+            mv = tl.load(M + b * stride_mb + h * stride_mh + i * stride_mm + offs_n * stride_mn,
+                         mask=n_ok, other=0.0).to(tl.float32)
+            s = s + tl.where(hits > 0, mv, fill)
+        else:
+            # no mask, or a boolean one: every key a row could keep was dropped, so all carry the fill
+            s = s + fill
+        keep = n_ok
+        if CAUSAL:
+            keep = keep & (offs_n <= i + causal_offset)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=n_ok[:, None] & (offs_dv[None, :] < dim_v), other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    tl.store(O + b * stride_ob + h * stride_oh + i * stride_om + offs_dv * stride_od,
+             (acc / l_i).to(O.dtype.element_ty), mask=offs_dv < dim_v)
+
+
+def launch_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
+                           unselected_fill: float) -> torch.Tensor:
+    """`fix_unselected_rows` on the GPU, without reading anything back: which rows are empty is
+    decided on the device, and one program per row recomputes it densely or returns at once.
+    Writes `out` in place (the launcher's own output) and returns it."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if out.numel() == 0:
+        return out
+    empty = empty_rows(q, k, indices, mask, causal, causal_offset).to(torch.int8).contiguous()
+    mask_float = mask is not None and mask.dtype != torch.bool
+    m = mask.expand(B, Hq, Sq, Sk) if mask_float else q
+    mstrides = m.stride() if mask_float else (0, 0, 0, 0)
+    check_grid((B * Hq, Sq), NAME, f"{Sq} query rows")
+    _unselected_rows_fwd[(B * Hq, Sq)](
+        q, k, v, indices, m, empty, out,
+        *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, *out.stride(),
+        Hq, Hq // Hkv, Sq, Sk, indices.shape[2], D, Dv,
+        float(scale), int(causal_offset), float(unselected_fill),
+        MASK_FLOAT=mask_float, CAUSAL=bool(causal),
+        BLOCK_N=64, BLOCK_T=64, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+        num_warps=4,
+    )
+    return out

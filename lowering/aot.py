@@ -106,40 +106,40 @@ def _recording(cc: int):
             setattr(module, attr, fn)
 
 
-def _signature(launch: Launch) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) of a recorded launch, as triton.compile takes them."""
-    from triton.runtime.jit import mangle_type
+def _runtime_specialisation(launch: Launch, arch: str):
+    """(source, options) of a recorded launch exactly as Triton's JIT would build them on `arch`.
 
-    kwargs = dict(launch.kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    params = launch.fn.params
-    values = dict(zip([p.name for p in params], launch.args))
-    values.update(kwargs)
-    signature, constexprs = {}, {}
-    for p in params:
-        if p.name not in values:
-            if not p.has_default:
-                raise TypeError(f"{launch.kernel}: no value for parameter {p.name!r}")
-            values[p.name] = p.default
-        value = values[p.name]
-        if p.is_constexpr or value is None:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = value
-        else:
-            signature[p.name] = mangle_type(value)
-    return signature, constexprs, options
+    The runtime binds the arguments with the backend's specialisation: a pointer whose address
+    is a multiple of 16 and an integer that is one are marked `tt.divisibility=16`, an integer
+    equal to 1 becomes a constant (a unit stride), and those change the code (vectorised loads,
+    pipelined copies) and the shared memory it asks for. Recording the CPU tensors' addresses
+    gives the same marks a GPU allocation (256 B aligned) would, and views keep their offsets.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    cc, _ = ARCHS[arch]
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    bound, specialisation, kwargs = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = launch.fn._pack_args(backend, kwargs, bound, specialisation, kwargs)
+    return ASTSource(launch.fn, signature, constexprs, attrs), target, options
 
 
 def compile_launch(launch: Launch, arch: str):
-    """triton.compile of one recorded launch for `arch`: the CompiledKernel."""
+    """triton.compile of one recorded launch for `arch`, specialised as the runtime would: the
+    CompiledKernel."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    signature, constexprs, options = _signature(launch)
-    cc, _ = ARCHS[arch]
-    return triton.compile(ASTSource(launch.fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
-                          options=options)
+    source, target, options = _runtime_specialisation(launch, arch)
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def _key(launch: Launch, arch: str) -> str:
+    source, _, options = _runtime_specialisation(launch, arch)
+    return repr((arch, launch.kernel, source.signature, source.constants, source.attrs, options.__dict__))
 
 
 # ---- representative launches: (kernel module, case, call(arch)) ---------------------------------
@@ -157,23 +157,24 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
     def randn(*shape, dtype=bf16):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    def attn(d, dtype, causal, mask):
+    def attn(d, dtype, causal, mask, softcap=0.0, window=0):
         def call(arch):
             q, k, v = randn(1, 8, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype)
-            m = randn(1, 1, 64, 64, dtype=dtype) if mask else None
+            m = (randn(1, 1, 64, 64, dtype=dtype) if mask == "additive"
+                 else torch.rand(1, 1, 64, 64, generator=g) > 0.2 if mask == "bool" else None)
             cfg = config_for_arch("attention", arch, head_dim=d, dtype=dtype)
-            attention.launch(q, k, v, m, d ** -0.5, causal, 0, config=cfg)
+            attention.launch(q, k, v, m, d ** -0.5, causal, 0, softcap=softcap, window=window, config=cfg)
         return call
 
-    def paged(decode):
+    def paged(decode, key_index=True, window=0, softcap=0.0):
         def call(arch):
             lens_q, lens_k = ([1, 1, 1], [700, 90, 1500]) if decode else ([37, 5, 64], [37, 300, 64])
             kp, vp = randn(4096, 2, 128), randn(4096, 2, 128)
             cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
             cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
-            ki = torch.randperm(4096, generator=g)[:sum(lens_k)].to(torch.int32)
+            ki = torch.randperm(4096, generator=g)[:sum(lens_k)].to(torch.int32) if key_index else None
             paged_attention.launch(randn(sum(lens_q), 8, 128), kp, vp, ki, cu_q, cu_k, max(lens_q), max(lens_k),
-                                   128 ** -0.5, config=config_for_arch("paged_attention", arch))
+                                   128 ** -0.5, window, softcap, config=config_for_arch("paged_attention", arch))
         return call
 
     def attn_decode(d):
@@ -183,11 +184,12 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
             attention.launch(q, k, v, None, d ** -0.5, True, 4095, config=cfg)
         return call
 
-    def gemm(m, act_quant):
+    def gemm(m, act_quant, bias=False, k=1024, block_k=128):
         def call(arch):
-            n, k = 512, 1024
-            fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3), torch.rand(n // 128, k // 128, generator=g), None,
-                            128, 128, act_quant, config=config_for_arch("fp8_gemm", arch))
+            n = 512
+            fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3),
+                            torch.rand(n // 128, -(-k // block_k), generator=g), randn(n) if bias else None,
+                            128, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
         return call
 
     def experts(fp8):
@@ -201,30 +203,43 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
                        config=config_for_arch("moe", arch))
         return call
 
-    def sparse(arch):
-        q, k, v = randn(1, 16, 8, 128), randn(1, 1, 256, 128), randn(1, 1, 256, 128)
-        idx = torch.randint(0, 256, (1, 8, 64), generator=g, dtype=torch.int32)
-        sparse_attention.launch(q, k, v, idx, None, 128 ** -0.5, True, 248,
-                                config=config_for_arch("sparse_attention", arch))
-
-    def mla(sparse_indices, Sq=2, T=300, topk=64):
+    def sparse(mask=None, fill=None):
         def call(arch):
-            B, H, R, P = 1, 16, 512, 64
+            q, k, v = randn(1, 16, 8, 128), randn(1, 1, 256, 128), randn(1, 1, 256, 128)
+            idx = torch.randint(0, 256, (1, 8, 64), generator=g, dtype=torch.int32)
+            m = randn(1, 1, 8, 256) if mask == "additive" else None
+            out = sparse_attention.launch(q, k, v, idx, m, 128 ** -0.5, True, 248,
+                                          config=config_for_arch("sparse_attention", arch))
+            if fill is not None:
+                sparse_attention.launch_unselected_rows(out, q, k, v, idx, m, 128 ** -0.5, True, 248, fill)
+        return call
+
+    def mla(sparse_indices, Sq=2, T=300, topk=64, R=512, mask=None):
+        def call(arch):
+            B, H, P = 1, 16, 64
             idx = torch.randint(0, T, (B, Sq, topk), generator=g, dtype=torch.int32) if sparse_indices else None
-            mla_decode.launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, None,
-                              (R + P) ** -0.5, True, T - Sq, config=config_for_arch("mla_decode", arch))
+            m = (randn(B, 1, Sq, T) if mask == "additive"
+                 else torch.rand(B, 1, Sq, T, generator=g) > 0.2 if mask == "bool" else None)
+            mla_decode.launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, m,
+                              (R + P) ** -0.5, m is None, T - Sq, config=config_for_arch("mla_decode", arch))
         return call
 
     return [
         ("attention", "bf16 d64 causal", attn(64, bf16, True, False)),
         ("attention", "bf16 d128 causal", attn(128, bf16, True, False)),
-        ("attention", "bf16 d128 additive mask", attn(128, bf16, False, True)),
-        ("attention", "fp32 d64 causal", attn(64, f32, True, False)),
-        ("attention", "fp32 d128 causal", attn(128, f32, True, False)),
-        ("attention", "bf16 d256 causal", attn(256, bf16, True, False)),
+        ("attention", "bf16 d128 additive mask", attn(128, bf16, False, "additive")),
+        ("attention", "bf16 d128 bool mask", attn(128, bf16, False, "bool")),
+        ("attention", "bf16 d256 softcap 50, window 32", attn(256, bf16, True, None, softcap=50.0, window=32)),
+        ("attention", "fp32 d64 causal", attn(64, f32, True, None)),
+        ("attention", "fp32 d128 causal", attn(128, f32, True, None)),
+        ("attention", "fp32 d192 causal", attn(192, f32, True, None)),
+        ("attention", "fp32 d256 causal", attn(256, f32, True, None)),
+        ("attention", "bf16 d256 causal", attn(256, bf16, True, None)),
         ("attention", "bf16 d128 decode, key splits", attn_decode(128)),
         ("paged_attention", "bf16 d128 prefill chunks", paged(False)),
         ("paged_attention", "bf16 d128 decode, key splits", paged(True)),
+        ("paged_attention", "bf16 d128 keys in pool order (no key index)", paged(False, key_index=False)),
+        ("paged_attention", "bf16 d128 decode, window 512, softcap 30", paged(True, window=512, softcap=30.0)),
         ("rmsnorm", "bf16 4096 + residual",
          lambda arch: rmsnorm.launch(randn(8, 4096), randn(4096), 1e-6, 0.0, bf16, residual=randn(8, 4096),
                                      config=config_for_arch("rmsnorm", arch))),
@@ -242,13 +257,23 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("fp8_gemm", "decode m=4, bf16 activations, split-K", gemm(4, False)),
         ("fp8_gemm", "decode m=24, fp8 activations, split-K", gemm(24, True)),
         ("fp8_gemm", "prefill m=512, fp8 activations", gemm(512, True)),
+        ("fp8_gemm", "prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
+        ("fp8_gemm", "m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
+        ("fp8_gemm", "m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
         ("moe", "bf16 experts", experts(False)),
         ("moe", "fp8 experts", experts(True)),
-        ("sparse_attention", "bf16 d128 top-64", sparse),
+        ("sparse_attention", "bf16 d128 top-64", sparse()),
+        ("sparse_attention", "bf16 d128 top-64, additive mask, unselected keys filled",
+         sparse("additive", float(torch.finfo(f32).min))),
+        ("sparse_attention", "bf16 d128 top-64, unselected keys filled", sparse(None, -1e9)),
         ("mla_decode", "bf16 dense", mla(False)),
         ("mla_decode", "bf16 sparse top-64", mla(True)),
         ("mla_decode", "bf16 dense decode, key splits", mla(False, Sq=1, T=4096)),
         ("mla_decode", "bf16 sparse top-2048 decode, key splits", mla(True, Sq=1, T=4096, topk=2048)),
+        ("mla_decode", "bf16 R=1024 dense", mla(False, R=1024)),
+        ("mla_decode", "bf16 R=1024 decode, key splits", mla(False, Sq=1, T=4096, R=1024)),
+        ("mla_decode", "bf16 additive mask", mla(False, mask="additive")),
+        ("mla_decode", "bf16 sparse top-64, bool mask", mla(True, mask="bool")),
     ]
 
 
@@ -288,7 +313,7 @@ def _autotune_cases() -> list[tuple[str, str, Callable[[str], Any]]]:
     for d in (64, 128, 256):  # 256 query rows: no candidate's 128-row tile is clamped
         cases.append(("attention", f"autotune d{d} prefill", attn(d, 256, 256)))
         cases.append(("attention", f"autotune d{d} decode", attn(d, 1, 4096)))
-    for d in (64, 128):  # float32 heads take the rows of bf16 heads twice as wide
+    for d in (64, 128, 256):  # float32 heads take the rows of bf16 heads twice as wide
         cases.append(("attention", f"autotune fp32 d{d} prefill", attn(d, 256, 256, torch.float32)))
     for m in (4, 24, 48, 512):
         cases.append(("fp8_gemm", f"autotune m={m}", gemm(m)))
@@ -328,7 +353,7 @@ def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Re
                 label = f"{case} {_blocks(launch)}" if case.startswith("autotune") else case
                 t0 = time.perf_counter()
                 try:
-                    key = repr((arch, launch.kernel, _signature(launch)))
+                    key = _key(launch, arch)
                     kernel = compiled.get(key) or compiled.setdefault(key, compile_launch(launch, arch))
                 except Exception as e:  # noqa: BLE001 - every compiler error is this tool's finding
                     r = Result(launch.kernel, label, arch, "failed", seconds=time.perf_counter() - t0,

@@ -49,7 +49,11 @@ _ATTENTION = {
                                    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)))),
               (256, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, **_DECODE_SPLIT,
                          AUTOTUNE=(dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
-                                   dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2))))],
+                                   dict(BLOCK_M=64, BLOCK_N=16, num_warps=4, num_stages=2)))),
+              # float32 heads of 192/256: the 256 row asks 139,520 B; this one 86,272 B
+              (512, dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=1, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+                                   dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2))))],
     # Hopper (H100/H200, 228 KB shared memory per SM).
     "sm_90": [(64, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, **_DECODE_SPLIT,
                         AUTOTUNE=(dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
@@ -60,7 +64,9 @@ _ATTENTION = {
                                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)))),
               (256, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, **_DECODE_SPLIT,
                          AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2))))],
+                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)))),
+              (512, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=1),)))],
 }
 _ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
 
@@ -116,7 +122,7 @@ def config_for(kernel: str, device: torch.device, *, head_dim: int = 0, dtype: t
     cfg = {**config_for_arch(kernel, arch, head_dim=head_dim, dtype=dtype), **over}
     if any(key in over for key in TUNED_KEYS):
         # a target that sets blocks means them: no tuning, no per-M rows, unless it gives its own
-        for key in ("AUTOTUNE", "SMALL_M"):
+        for key in ("AUTOTUNE", "SMALL_M", "WIDE_R"):
             if key not in over:
                 cfg.pop(key, None)
     if device.type == "cuda" and "SM_COUNT" in cfg and "SM_COUNT" not in over:
@@ -140,6 +146,8 @@ def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.d
     if kernel == "attention":
         rows = _ATTENTION[arch]
         width = head_dim * (dtype.itemsize if dtype is not None else 2) // 2
+        # the GPU rows reach 512 (a float32 head of 256, attention's largest); the interpreter
+        # has one row for every width
         cfg = dict(next((c for limit, c in rows if width <= limit), rows[-1][1]))
     elif kernel in _TILED:
         cfg = dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])

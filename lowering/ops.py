@@ -169,14 +169,16 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, mask: Opt
     metainfer.kernels.sparse_attention. `unselected_fill` -inf: unselected keys are dropped;
     a finite value: they carry that additive mask, as a dense mask with finfo.min has it."""
     args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    fill = (q, k, v, indices, mask, scale, causal, causal_offset, unselected_fill)
     if kernels.use_triton(q):
         cfg = config_for("sparse_attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
         out = _sparse_attention.launch(*args, config=cfg)
-    else:
-        out = _sparse_attention.cpu_forward(*args).contiguous()
+        if unselected_fill != float("-inf"):  # on the device: no read-back in the step
+            out = _sparse_attention.launch_unselected_rows(out, *fill)
+        return out
+    out = _sparse_attention.cpu_forward(*args).contiguous()
     if unselected_fill != float("-inf"):
-        out = _sparse_attention.fix_unselected_rows(out, q, k, v, indices, mask, scale, causal, causal_offset,
-                                                    unselected_fill)
+        out = _sparse_attention.fix_unselected_rows(out, *fill)
     return out
 
 

@@ -24,6 +24,49 @@ from metainfer.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
 
 
+class CallTimes:
+    """The seconds each observed call took, handed to its callback without stalling the host.
+
+    On a CPU the call's wall time is known when it returns. On a GPU the call returns once its
+    kernels are queued: a CUDA event pair brackets them and is read when it has completed (at a
+    later call's start, or when the calls end), never by synchronising the device in the step."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pending: list = []
+
+    def start(self):
+        self.deliver(wait=False)
+        begin = time.perf_counter()
+        if not self.cuda:
+            return begin, None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return begin, event
+
+    def stop(self, timing, callback, host: bool = False) -> None:
+        begin, event = timing
+        if event is None or host:
+            callback(time.perf_counter() - begin)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((event, end, callback))
+
+    def deliver(self, wait: bool) -> None:
+        """Hand on the pending calls' times whose events have completed (`wait`: all of them)."""
+        while self.pending:
+            begin, end, callback = self.pending[0]
+            if not wait and not end.query():
+                return
+            end.synchronize()  # a no-op once query() said done; the wait at close otherwise
+            self.pending.pop(0)
+            callback(begin.elapsed_time(end) / 1e3)
+
+    def close(self) -> None:
+        self.deliver(wait=True)
+
+
 class OptimizedModel:
     """The optimized callable: same call signature and outputs as the model; `.report` says
     what metainfer did. `generate()` runs the model's own generate() (Hugging Face, or a
@@ -133,7 +176,8 @@ class OptimizedModel:
             if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
                 fn = self._compiled_packed if step.use_compiled(self._serve_compile, tokens) else self._forward
                 shapes = _serving_shapes()
-            graphs, start = len(self.report.sections), time.perf_counter()
+            graphs = len(self.report.sections)
+            timing = times.start() if (observe is not None or step is not None) else None
             with (torch.no_grad(), capture.capturable(self.model) as notes,
                   step(kwargs) if step is not None else contextlib.nullcontext(), shapes):
                 try:
@@ -145,16 +189,18 @@ class OptimizedModel:
                     self._serve_compile.failed(capture.translate(e, self.model, args, kwargs, self.target.name))
                     fn = self._forward
                     out = fn(*args, **kwargs)
-            if observe is not None or (step is not None and fn is self._forward):
-                if self.target.device.kind == "cuda":  # launches return early: time the work
-                    torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            if observe is not None:
-                observe(name, tokens, seconds, len(self.report.sections) != graphs)
-            if step is not None:
+            if timing is not None:
                 new = self.report.sections[graphs:]
-                self._serve_compile.ran(seconds, tokens, fn is not self._forward, bool(new),
-                                        warm=any(s.from_cache for s in new))
+                compiled, ran_compiled = bool(new), fn is not self._forward
+
+                def heard(seconds, name=name, tokens=tokens, new=new, compiled=compiled, ran_compiled=ran_compiled):
+                    if observe is not None:
+                        observe(name, tokens, seconds, compiled)
+                    if step is not None:
+                        self._serve_compile.ran(seconds, tokens, ran_compiled, compiled,
+                                                warm=any(s.from_cache for s in new))
+                # a call that compiled is timed on the host (compiling dwarfs its launches)
+                times.stop(timing, heard, host=compiled)
             finish()
             for note in notes:
                 if note not in self.report.notes:
@@ -162,8 +208,9 @@ class OptimizedModel:
             self._dump_new_sections()
             return out
 
+        times = CallTimes(self.target.device.kind == "cuda")
         # one call at a time per model: the installed forward is visible to every caller
-        with _model_lock(self.model):
+        with _model_lock(self.model), contextlib.closing(times):
             d = self.model.__dict__
             previous = d.get("forward", _MISSING)
             d["forward"] = forward

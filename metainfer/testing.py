@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import os
 
 import torch
 
@@ -127,3 +130,64 @@ def tiny_hf_model(arch: str = "Llama", attn: str = "eager", layers: int = 2, see
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
+
+
+# ---- host reads: what would stall a GPU step ---------------------------------------------------
+
+_PROJECT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+                      for d in ("metainfer", "kernels", "lowering", "passes", "models"))
+_READS = {torch.Tensor: ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")}
+
+
+@contextlib.contextmanager
+def host_reads(allow: tuple[str, ...] = ()):
+    """A list of the host reads metainfer's own code makes while the context is open: a tensor's
+    item(), tolist(), nonzero(), bool()/int()/float(), torch.nonzero and torch.cuda.synchronize,
+    each as "function at file:line" of the innermost metainfer frame that called it. On a GPU each
+    of these waits for the device; a decode or serving step must make none. Calls made from
+    another library's frames (the engine's bookkeeping, Triton's interpreter) are not metainfer's
+    and are not listed; `allow` names "file.py:function" pairs that may read (with a reason where
+    they are granted)."""
+    import sys
+
+    reads: list[str] = []
+    here = os.path.abspath(__file__)
+
+    def culprit() -> str | None:
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name != here and not name.startswith(os.path.dirname(torch.__file__)):
+                if not name.startswith(_PROJECT_DIRS):
+                    return None  # another library asked
+                where = f"{os.path.basename(name)}:{frame.f_code.co_name}"
+                return None if where in allow else f"{where} line {frame.f_lineno}"
+            frame = frame.f_back
+        return None
+
+    def spy(owner, attr):
+        real = getattr(owner, attr)
+
+        @functools.wraps(real)
+        def read(*args, **kwargs):
+            who = culprit()
+            if who is not None:
+                reads.append(f"{attr} at {who}")
+            return real(*args, **kwargs)
+        return read
+
+    patched = [(torch.Tensor, a) for a in _READS[torch.Tensor]] + [(torch, "nonzero"), (torch.cuda, "synchronize")]
+    saved = [(owner, attr, owner.__dict__.get(attr, _UNSET)) for owner, attr in patched]
+    try:
+        for owner, attr in patched:
+            setattr(owner, attr, spy(owner, attr))
+        yield reads
+    finally:
+        for owner, attr, value in saved:
+            if value is _UNSET:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, value)
+
+
+_UNSET = object()

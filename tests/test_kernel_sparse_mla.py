@@ -146,6 +146,52 @@ def test_sparse_cpu_path_matches_reference(p):
         check(SA.cpu_forward(*args), SA.reference(*args), p["dtype"])
 
 
+@settings(max_examples=30, deadline=None)
+@given(p=sparse_problems(), fill=st.sampled_from([-1e9, torch.finfo(torch.float32).min]))
+def test_unselected_rows_on_the_device_match_the_torch_path(p, fill, interpret):
+    """Rows whose selected keys are all dropped (padding masks, causal limits, -1 slots): the
+    device kernel recomputes them densely with the fill, as `fix_unselected_rows` does, with no
+    read-back; float masks here drop keys with a large negative value, as HF's do."""
+    q, k, v, idx, mask, scale, causal, offset, _ = make_sparse(p)
+    if mask is not None and mask.dtype != torch.bool:
+        g = torch.Generator().manual_seed(p["seed"] + 1)
+        drop = torch.rand(mask.shape, generator=g) > p["keep_p"]
+        mask = mask.masked_fill(drop, torch.finfo(mask.dtype).min)
+    out = SA.reference(q, k, v, idx, mask, scale, causal, offset, False)
+    want = SA.fix_unselected_rows(out, q, k, v, idx, mask, scale, causal, offset, fill)
+    got = SA.launch_unselected_rows(out.clone(), q, k, v, idx, mask, scale, causal, offset, fill)
+    check(got, want, p["dtype"])
+
+
+def test_unselected_rows_read_nothing_back(interpret):
+    """The device path decides which rows are empty without a host read (the torch path reads
+    `empty.any()` and `nonzero` back, which on a GPU is a sync per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                        torch.ops.aten.nonzero.default):
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 1, 10, 16, generator=g), torch.randn(1, 1, 10, 16, generator=g)
+    idx = torch.randint(0, 10, (1, 6, 4), generator=g)
+    mask = torch.ones(1, 1, 6, 10, dtype=torch.bool)
+    mask[..., 0, :] = False  # a padding row
+    out = SA.reference(q, k, v, idx, mask, 0.25, False, 0, False)
+    with Reads():
+        SA.fix_unselected_rows(out, q, k, v, idx, mask, 0.25, False, 0, -1e9)
+    assert reads, "the torch path reads back (the check itself works)"
+    reads.clear()
+    with Reads():
+        SA.launch_unselected_rows(out.clone(), q, k, v, idx, mask, 0.25, False, 0, -1e9)
+    assert reads == []
+
+
 def test_grids_fold_or_refuse_past_cudas_y_limit(interpret):
     """CUDA allows 65,535 programs along a grid's y and z. With the limit made 2 here: sparse
     attention (batch x kv heads x head blocks along y) launches its batch in slices of one with

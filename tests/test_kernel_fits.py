@@ -1,0 +1,111 @@
+"""Configs that fit the GPU they launch on: the rows for wide heads and latents (their shared
+memory is checked by tests/test_aot_compile.py), and the launchers' retry with a smaller config
+when Triton refuses a launch for want of resources (which the interpreter never does, so the
+refusal is injected here)."""
+
+import pytest
+import torch
+
+from metainfer.kernels import _common
+from metainfer.kernels import attention as A
+from metainfer.kernels import mla_decode as MLA
+from metainfer.lowering.kernel_configs import config_for_arch
+
+
+def test_float32_wide_heads_get_rows_of_their_own():
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        narrow = config_for_arch("attention", arch, head_dim=256, dtype=torch.bfloat16)
+        for d in (192, 256):
+            wide = config_for_arch("attention", arch, head_dim=d, dtype=torch.float32)
+            assert wide["BLOCK_M"] * wide["BLOCK_N"] * wide["num_stages"] < \
+                narrow["BLOCK_M"] * narrow["BLOCK_N"] * narrow["num_stages"], (arch, d)
+
+
+def _mla_args(R, T=40, Sq=1):
+    g = torch.Generator().manual_seed(1)
+    B, H, P = 1, 4, 16
+    return (torch.randn(B, H, Sq, R, generator=g), torch.randn(B, H, Sq, P, generator=g),
+            torch.randn(B, T, R, generator=g), torch.randn(B, T, P, generator=g), None, None,
+            (R + P) ** -0.5, True, T - Sq)
+
+
+def _recording_blocks(monkeypatch, module, attr):
+    """Record each launch's constexpr blocks and run it."""
+    real = getattr(module, attr)
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append({k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "num_stages")})
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(module, attr, Spy())
+    return seen
+
+
+def test_mla_takes_its_wide_latent_blocks_above_max_r(interpret, monkeypatch):
+    seen = _recording_blocks(monkeypatch, MLA, "_mla_fwd")
+    cfg = {**config_for_arch("mla_decode", "interpreter"), "BLOCK_N": 32,
+           "WIDE_R": {"MAX_R": 32, "BLOCK_N": 16, "num_stages": 1}}
+    for R, block_n in ((32, 32), (64, 16)):
+        args = _mla_args(R)
+        torch.testing.assert_close(MLA.launch(*args, config=cfg), MLA.reference(*args), atol=2e-5, rtol=2e-5)
+        assert seen[-1]["BLOCK_N"] == block_n
+    assert config_for_arch("mla_decode", "sm_89")["WIDE_R"]["MAX_R"] == 512
+
+
+def test_smaller_config_steps_down_to_the_least_tile():
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "AUTOTUNE": ({"BLOCK_M": 64},)}
+    steps = []
+    while cfg is not None:
+        cfg = _common.smaller_config(cfg)
+        steps.append(cfg and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]))
+    assert steps == [(32, 32, 1), (32, 16, 1), (16, 16, 1), None]
+
+
+def _refusing(monkeypatch, most_shared):
+    """attention's kernel refused, as Triton refuses it on a GPU, while BLOCK_M x BLOCK_N x stages
+    is above `most_shared`; the launches tried are recorded."""
+    from triton.runtime.errors import OutOfResources
+
+    real = A._attention_fwd
+    tried = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                need = kwargs["BLOCK_M"] * kwargs["BLOCK_N"] * kwargs["num_stages"]
+                tried.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_stages"]))
+                if need > most_shared:
+                    raise OutOfResources(need, most_shared, "shared memory")
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(A, "_attention_fwd", Refusing())
+    monkeypatch.setattr(_common, "_fitted", {})
+    return tried
+
+
+def test_a_refused_launch_is_retried_smaller_and_the_fit_remembered(interpret, monkeypatch):
+    tried = _refusing(monkeypatch, most_shared=32 * 16)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    args = (q, k, v, None, 0.25, True, 0, False)
+    cfg = {**config_for_arch("attention", "interpreter"), "BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2}
+    with pytest.warns(UserWarning, match="attention: .*retrying with"):
+        out = A.launch(*args, config=cfg)
+    torch.testing.assert_close(out, A.reference(*args), atol=2e-5, rtol=2e-5)
+    assert tried == [(32, 32, 2), (32, 32, 1), (32, 16, 1)]
+    tried.clear()
+    A.launch(*args, config=cfg)  # the same launcher, config and dtypes: straight to the fit
+    assert tried == [(32, 16, 1)]
+
+
+def test_a_launch_nothing_fits_raises_triton_s_error(interpret, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    _refusing(monkeypatch, most_shared=0)
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(OutOfResources), pytest.warns(UserWarning):
+        A.launch(q, q, q, None, 0.25, True, 0, False, config=config_for_arch("attention", "interpreter"))

@@ -14,7 +14,13 @@ SDPA on the gathered keys; rmsnorm, swiglu, geglu, rope against their eager torc
 at decode (M=16; M=4 over a 2048 x 7168 weight, split-K) and prefill (M=4096) shapes against
 dequantise + cuBLAS matmul; moe (256 experts, top 8, 2048 tokens) against the eager loop over
 experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and batch 1 over
-8192 cached tokens with the cache split) against their references. The first call of a shape
+8192 cached tokens with the cache split) against their references; the rows added for Ada's
+99 KiB (float32 heads of 256, MLA's latent of 1024), sparse attention's unselected rows redone
+on the device, the token check's position of the first bad id, three ops through the custom-op
+dispatch (torch.ops.metainfer), and a tiny Hugging Face Llama optimized for the GPU whose
+generate() and generate_batch() tokens must equal eager's. The kernels use the config rows of
+the GPU's own architecture (sm_90 on Hopper). Each check stops after --timeout seconds;
+--json FILE writes the rows. The first call of a shape
 runs triton.autotune over the config row's candidates, untimed (`run` calls each kernel once
 before timing it). Then GEMM TFLOP/s, memory bandwidth and launch overhead
 (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
@@ -25,8 +31,11 @@ triton.testing.do_bench).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -237,6 +246,112 @@ def _token_ids(dev, f):
             "torch": lambda: torch.where((ids >= 0) & (ids < 128256), ids, 0), "dtype": torch.int64}
 
 
+def _dispatch(dev, f):
+    """Every metainfer op through torch.ops.metainfer (the custom-op body that picks the kernel),
+    against the kernels' references: what compiled graphs call."""
+    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer)
+
+    mi, dt = torch.ops.metainfer, torch.bfloat16
+    S = _n(1024, f, 16)
+    q, k, v = (torch.randn(2, 8, S, 64, device=dev, dtype=dt), torch.randn(2, 2, S, 64, device=dev, dtype=dt),
+               torch.randn(2, 2, S, 64, device=dev, dtype=dt))
+    x, w = torch.randn(_n(64, f), 4096, device=dev, dtype=dt), torch.randn(4096, device=dev, dtype=dt)
+
+    def ours():
+        return torch.cat([mi.attention(q, k, v, None, 0.125, True, 0, False).flatten(),
+                          mi.rmsnorm(x, w, 1e-6, 0.0, dt).flatten(), mi.swiglu(x, x).flatten()])
+
+    def ref():
+        return torch.cat([K.attention.reference(q, k, v, None, 0.125, True, 0).flatten(),
+                          K.rmsnorm.reference(x, w, 1e-6, 0.0, dt).flatten(),
+                          (F.silu(x.float()) * x.float()).to(dt).flatten()])
+    return {"ours": ours, "reference": ref, "torch": ref, "dtype": dt}
+
+
+def _wide_fp32_attention(dev, f):
+    """float32 heads of 256 (the rows that fit Ada's 99 KiB)."""
+    S = _n(512, f, 16)
+    q, k, v = (torch.randn(1, 4, S, 256, device=dev), torch.randn(1, 4, S, 256, device=dev),
+               torch.randn(1, 4, S, 256, device=dev))
+    cfg = config_for("attention", q.device, head_dim=256, dtype=torch.float32)
+    args = (q, k, v, None, 256 ** -0.5, True, 0)
+    return {"ours": lambda: K.attention.launch(*args, config=cfg), "reference": lambda: K.attention.reference(*args),
+            "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), "dtype": torch.float32}
+
+
+def _mla_wide(dev, f):
+    """A latent of 1024 (MLA's WIDE_R blocks)."""
+    dt, B, H, T = torch.bfloat16, _n(8, f), 16, _n(2048, f, 16)
+    ql, qp = torch.randn(B, H, 1, 1024, device=dev, dtype=dt), torch.randn(B, H, 1, 64, device=dev, dtype=dt)
+    ckv, kpe = torch.randn(B, T, 1024, device=dev, dtype=dt), torch.randn(B, T, 64, device=dev, dtype=dt)
+    cfg = config_for("mla_decode", ql.device)
+    args = (ql, qp, ckv, kpe, None, None, 1088 ** -0.5, True, T - 1)
+    return {"ours": lambda: K.mla_decode.launch(*args, config=cfg), "reference": lambda: K.mla_decode.reference(*args),
+            "torch": lambda: K.mla_decode.reference(*args), "dtype": dt}
+
+
+def _sparse_filled(dev, f):
+    """Sparse attention whose unselected keys carry HF's finite fill, with padding rows that keep
+    no selected key: recomputed densely on the device (no read-back)."""
+    dt = torch.bfloat16
+    Sq, Sk, topk = _n(256, f, 8), _n(2048, f, 64), _n(256, f, 16)
+    q = torch.randn(2, 16, Sq, 128, device=dev, dtype=dt)
+    k, v = torch.randn(2, 1, Sk, 128, device=dev, dtype=dt), torch.randn(2, 1, Sk, 128, device=dev, dtype=dt)
+    idx = torch.stack([torch.stack([torch.randperm(Sk, device=dev)[:topk] for _ in range(Sq)]) for _ in range(2)])
+    mask = torch.ones(2, 1, Sq, Sk, dtype=torch.bool, device=dev)
+    mask[1, :, : Sq // 4] = False  # padding rows
+    fill = float(torch.finfo(torch.float32).min)
+    args = (q, k, v, idx.to(torch.int32), mask, 128 ** -0.5, False, 0)
+    cfg = config_for("sparse_attention", q.device)
+
+    def ours():
+        return K.sparse_attention.launch_unselected_rows(K.sparse_attention.launch(*args, config=cfg), *args, fill)
+
+    def ref():
+        return K.sparse_attention.fix_unselected_rows(K.sparse_attention.reference(*args), *args, fill)
+    return {"ours": ours, "reference": ref, "torch": ref, "dtype": dt}
+
+
+def _bad_token_ids(dev, f):
+    """The token check finds the first out-of-range id (its position, not only the safe copy)."""
+    ids = torch.randint(0, 128000, (_n(64, f), _n(4096, f)), device=dev)
+    ids.view(-1)[ids.numel() // 3] = -5
+    ids.view(-1)[ids.numel() // 2] = 200000
+    cfg = config_for("token_ids", ids.device)
+
+    def ours():
+        safe, first = K.token_ids.launch(ids, 128256, config=cfg)
+        return torch.cat([safe.flatten(), first.flatten()])
+
+    def ref():
+        safe, first = K.token_ids.reference(ids, 128256)
+        return torch.cat([safe.flatten(), first.flatten()])
+    return {"ours": ours, "reference": ref, "torch": ref, "dtype": torch.int64}
+
+
+def _end_to_end(dev, f):
+    """A tiny Hugging Face Llama optimized for this GPU: generate() and generate_batch() (paged
+    attention over the engine's pool) give eager's greedy tokens."""
+    import metainfer
+    from metainfer.testing import tiny_hf_model
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    m = tiny_hf_model("Llama", "sdpa", layers=2).to(dev)
+    ids = torch.randint(3, 128, (2, 12), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    target = "cuda" if dev == "cuda" else "cpu"
+    opt = metainfer.optimize(m, target, example_inputs=(ids,), serve_compile="always")
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=-1, pad_token_id=0)
+    reqs = [list(range(3, 3 + n)) for n in (5, 17, 9)]
+    cb = ContinuousBatchingConfig(num_blocks=32, page_size=16, max_batch_tokens=64)
+
+    def tokens(model):
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        batch = model.generate_batch(reqs, generation_config=greedy, continuous_batching_config=cb)
+        return torch.cat([out.flatten().cpu()] + [torch.tensor(r.generated_tokens) for r in batch.values()])
+    return {"ours": lambda: tokens(opt), "reference": lambda: tokens(m), "torch": lambda: tokens(m),
+            "dtype": torch.int64, "once": True}
+
+
 CHECKS = [
     Check("attention", "prefill causal 1x32/8x4096 d128", _attention(False)),
     Check("attention", "decode 64x1 over 4096 keys", _attention(True)),
@@ -255,24 +370,59 @@ CHECKS = [
     Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096)),
     Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192)),
     Check("token_ids", "64 x 4096 ids", _token_ids),
+    Check("token_ids", "64 x 4096 ids, two out of range", _bad_token_ids),
+    Check("attention", "fp32 d256 prefill 1x4x512 (wide-head row)", _wide_fp32_attention),
+    Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla_wide),
+    Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled),
+    Check("dispatch", "attention, rmsnorm, swiglu via torch.ops.metainfer", _dispatch),
+    Check("end_to_end", "tiny Llama: generate + generate_batch = eager", _end_to_end),
 ]
 
 
-def run(checks, device: str, size: float) -> list[dict]:
+class CheckTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """A check that runs past `seconds` is stopped (SIGALRM, between Python calls) and failed."""
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run(checks, device: str, size: float, timeout: int = 0) -> list[dict]:
     rows = []
     for c in checks:
         row = {"kernel": c.kernel, "case": c.case}
+        t0 = time.perf_counter()
         try:
-            b = c.build(device, size)
-            ours, ref = b["ours"](), b["reference"]()
-            tol = TOL.get(b["dtype"], 0)
-            diff = (ours.float() - ref.float()).abs().max().item() if ours.numel() else 0.0
-            scale = ref.float().abs().max().item() if ref.numel() else 1.0
-            row.update(ok=diff <= tol * max(1.0, scale), max_diff=diff)
-            row.update(ours_ms=_bench(b["ours"]), torch_ms=_bench(b["torch"]))
-            row["speedup"] = row["torch_ms"] / row["ours_ms"] if row["ours_ms"] > 0 else math.nan
+            with _time_limit(timeout):
+                b = c.build(device, size)
+                ours, ref = b["ours"](), b["reference"]()
+                tol = TOL.get(b["dtype"], 0)
+                diff = (ours.float() - ref.float()).abs().max().item() if ours.numel() else 0.0
+                scale = ref.float().abs().max().item() if ref.numel() else 1.0
+                row.update(ok=diff <= tol * max(1.0, scale), max_diff=diff)
+                if b.get("once"):  # an end-to-end check: correctness only
+                    row.update(ours_ms=math.nan, torch_ms=math.nan, speedup=math.nan)
+                else:
+                    row.update(ours_ms=_bench(b["ours"]), torch_ms=_bench(b["torch"]))
+                    row["speedup"] = row["torch_ms"] / row["ours_ms"] if row["ours_ms"] > 0 else math.nan
         except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(_line(row), flush=True)
     return rows
@@ -285,12 +435,26 @@ def _line(r: dict) -> str:
             f"ours {r['ours_ms']:.3f} ms  torch {r['torch_ms']:.3f} ms  x{r['speedup']:.2f}")
 
 
+def _activate_this_gpu() -> None:
+    """The kernels' config rows of this GPU's architecture (a Hopper runs the sm_90 rows)."""
+    import dataclasses
+
+    from metainfer import targets
+    from metainfer.lowering import kernel_configs
+
+    major, minor = torch.cuda.get_device_capability()
+    base = targets.get("cuda")
+    kernel_configs.activate(dataclasses.replace(base, device=dataclasses.replace(base.device, arch=f"sm_{major}{minor}")))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU: list the checks and run each at a tiny size "
                     "through Triton's interpreter")
     ap.add_argument("--only", nargs="+", help="kernels to check (default all)")
     ap.add_argument("--no-calibration", action="store_true", help="skip the cost-model constants")
+    ap.add_argument("--timeout", type=int, default=120, help="seconds one check may take (0: no limit)")
+    ap.add_argument("--json", metavar="FILE", help="write the rows here as JSON")
     a = ap.parse_args(argv)
     checks = [c for c in CHECKS if not a.only or c.kernel in a.only]
     if a.dry_run:
@@ -301,12 +465,16 @@ def main(argv=None) -> int:
             print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
             return 2
         device, size = "cuda", 1.0
+        _activate_this_gpu()
         print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
               f"torch {torch.__version__}, triton {__import__('triton').__version__}")
     t0 = time.perf_counter()
-    rows = run(checks, device, size)
+    rows = run(checks, device, size, a.timeout)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} checks, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1, default=str)
     if not a.dry_run and not a.no_calibration:
         sys.path.insert(0, os.path.dirname(__file__))
         import calibrate_gpu

@@ -30,6 +30,20 @@ def check_grid(grid: tuple, kernel: str, what: str) -> None:
           f"{what} need a launch grid of {tuple(grid)}, past CUDA's {GRID_YZ_MAX} programs along y / z")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host: Triton 3.9's triton.cdiv is a constexpr function whose call
+    unwraps its arguments (~5 us a call, several per launch)."""
+    return -(-a // b)
+
+
+def broadcasts_to(shape, target) -> bool:
+    """Whether a tensor of `shape` broadcasts to exactly `target` (torch.broadcast_shapes costs
+    ~20 us a call on the launch path)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(tuple(shape)), reversed(tuple(target))))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -91,10 +105,10 @@ def split_count(config: dict, programs: int, length: int, align: int) -> tuple[i
         splits = 1
     else:
         splits = min(config.get("MAX_SPLITS", 16), length // config.get("SPLIT_MIN", 256),
-                     triton.cdiv(config["SM_COUNT"], programs))
-    splits = max(1, min(splits, triton.cdiv(length, align)))
-    per_split = triton.cdiv(triton.cdiv(length, splits), align) * align
-    return triton.cdiv(length, per_split), per_split
+                     cdiv(config["SM_COUNT"], programs))
+    splits = max(1, min(splits, cdiv(length, align)))
+    per_split = cdiv(cdiv(length, splits), align) * align
+    return cdiv(length, per_split), per_split
 
 
 # ---- triton.autotune, on a CUDA GPU only ---------------------------------------------------------
@@ -168,8 +182,8 @@ def smaller_config(config: dict) -> dict | None:
 _fitted: dict = {}
 
 
-def _shape_key(args) -> tuple:
-    return tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
+def _fit_key(kernel: str, config: dict, args) -> tuple:
+    return kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
                  for a in args)
 
 
@@ -182,8 +196,8 @@ def retries_smaller(kernel: str):
     def wrap(launch):
         @functools.wraps(launch)
         def launcher(*args, config: dict, **kwargs):
-            key = (kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), _shape_key(args))
-            cfg = _fitted.get(key, config)
+            # the key is built only once some launch was refused: nothing added to a launch that fits
+            cfg = _fitted.get(_fit_key(kernel, config, args), config) if _fitted else config
             while True:
                 try:
                     out = launch(*args, config=cfg, **kwargs)
@@ -195,7 +209,7 @@ def retries_smaller(kernel: str):
                     cfg = smaller
                     continue
                 if cfg is not config:
-                    _fitted[key] = cfg
+                    _fitted[_fit_key(kernel, config, args)] = cfg
                 return out
         return launcher
     return wrap

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import cdiv, next_pow2
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor,
     splits, rows, dim = ws_acc.shape
     block_d = next_pow2(dim)
     block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
-    _combine_splits[(triton.cdiv(rows, block_r),)](
+    _combine_splits[(cdiv(rows, block_r),)](
         ws_acc, ws_ml, out, rows, dim, splits, out.stride(0),
         ZERO_EMPTY_ROWS=bool(zero_empty_rows), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (retries_smaller, FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
+from ._common import (broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "attention"
@@ -168,12 +168,7 @@ def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=Fa
               f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
         check(mask.device == q.device, NAME, "mask is on a different device than q")
         check(mask.dim() <= 4, NAME, f"mask must have at most 4 dims, got {mask.dim()}")
-        try:
-            torch.broadcast_shapes(mask.shape, (B, Hq, Sq, Sk))
-            ok = torch.broadcast_shapes(mask.shape, (B, Hq, Sq, Sk)) == (B, Hq, Sq, Sk)
-        except RuntimeError:
-            ok = False
-        check(ok, NAME, f"mask shape {tuple(mask.shape)} does not broadcast to {(B, Hq, Sq, Sk)}")
+        check(broadcasts_to(mask.shape, (B, Hq, Sq, Sk)), NAME, f"mask shape {tuple(mask.shape)} does not broadcast to {(B, Hq, Sq, Sk)}")
     check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be a finite number, got {scale!r}")
     check(isinstance(causal, bool), NAME, f"causal must be a bool, got {causal!r}")
     check(isinstance(causal_offset, int), NAME, f"causal_offset must be an int, got {causal_offset!r}")
@@ -220,7 +215,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
 
     fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
     block_m, block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
-    q_blocks = triton.cdiv(Sq, block_m)
+    q_blocks = cdiv(Sq, block_m)
     # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
     splits, split_keys = 1, max(Sk, 1)
     if q_blocks == 1 or "SPLITS" in config:
@@ -245,9 +240,9 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     if len(candidates) > 1:
         bucket = (min(next_pow2(Sq), _MAX_Q_BUCKET), min(next_pow2(Sk), _MAX_K_BUCKET))
         tuned = autotuned(_attention_fwd, candidates, _TUNE_KEY, bucket)
-        check_grid((B * Hq, triton.cdiv(Sq, min(c["BLOCK_M"] for c in candidates)), splits), NAME,
+        check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in candidates)), splits), NAME,
                    f"{Sq} query rows")
-        tuned[lambda meta: (B * Hq, triton.cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **meta)
+        tuned[lambda meta: (B * Hq, cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **meta)
     else:
         check_grid((B * Hq, q_blocks, splits), NAME, f"{Sq} query rows")
         _attention_fwd[(B * Hq, q_blocks, splits)](

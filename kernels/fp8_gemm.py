@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import (retries_smaller, TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
+from ._common import (cdiv, retries_smaller, TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "fp8_gemm"
@@ -318,7 +318,7 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
             a = a.view(torch.uint8)
     # split-K for decode: few rows and few N tiles leave most SMs idle; splits start on
     # scale-group boundaries (block_k), a multiple of every candidate's BLOCK_K
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     splits, k_per_split = 1, K
     if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
         splits, k_per_split = split_count(row, tiles, K, block_k)
@@ -340,15 +340,15 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     )
     if len(candidates) > 1:
         tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
-        tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **meta)
+        tuned[lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]), splits)](*args, **meta)
     else:
-        _fp8_gemm_fwd[(triton.cdiv(M, bm), triton.cdiv(N, bn), splits)](
+        _fp8_gemm_fwd[(cdiv(M, bm), cdiv(N, bn), splits)](
             *args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 3),
         )
     if splits > 1:
         block = row.get("SUM_BLOCK", 1024)
-        _sum_splits[(triton.cdiv(M * N, block),)](
+        _sum_splits[(cdiv(M * N, block),)](
             partial, bias if bias is not None else y2, y2, N, M * N, splits, y2.stride(0),
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, check, check_float
+from ._common import cdiv, as_rows, check, check_float
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -54,7 +54,7 @@ def launch(gate, up, *, config: dict, activation: str = "silu") -> torch.Tensor:
     n_rows, n_cols = g2.shape
     if y.numel():
         br, bn = config["BLOCK_R"], config["BLOCK_N"]
-        grid = (triton.cdiv(n_rows, br), triton.cdiv(n_cols, bn))
+        grid = (cdiv(n_rows, br), cdiv(n_cols, bn))
         _glu_fwd[grid](g2, u2, y2, n_rows, n_cols, g2.stride(0), u2.stride(0), y2.stride(0),
                        ACT=activation, BLOCK_R=br, BLOCK_N=bn, num_warps=config.get("num_warps", 4))
     return y

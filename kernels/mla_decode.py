@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
-from ._common import retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
+from ._common import cdiv, retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -246,7 +246,7 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
     block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
     block_n = _block(config, "BLOCK_N")
-    head_blocks = triton.cdiv(H, block_h)
+    head_blocks = cdiv(H, block_h)
     # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
     # split the cache (or the top-k slots) over several programs
     splits, split_keys = split_count(config, Sq * B * head_blocks, T if indices is None else topk, block_n)

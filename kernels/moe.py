@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot
-from ._common import retries_smaller, check, check_float, gpu_capability, interpreted
+from ._common import cdiv, retries_smaller, check, check_float, gpu_capability, interpreted
 
 NAME = "moe"
 
@@ -334,13 +334,13 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
         DOT_UPCAST=interpreted() and x.dtype == torch.bfloat16,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
     )
-    _moe_gate_up[(n_tiles, triton.cdiv(I, BN))](
+    _moe_gate_up[(n_tiles, cdiv(I, BN))](
         x, w_gate, w_up, s_gate, s_up, sorted_pairs, expert_of_block, h,
         P, K, E, H, I, block_n, block_k,
         *x.stride(), *w_gate.stride(), *w_up.stride(), *sg_str, *su_str, *h.stride(),
         **common,
     )
-    _moe_down[(n_tiles, triton.cdiv(H, BN))](
+    _moe_down[(n_tiles, cdiv(H, BN))](
         h, w_down, s_down, sorted_pairs, expert_of_block, topk_weights, out_pairs,
         P, K, E, H, I, block_n, block_k,
         *h.stride(), *w_down.stride(), *sd_str, *topk_weights.stride(), *out_pairs.stride(),

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import retries_smaller, check, check_float, interpreted, next_pow2
+from ._common import cdiv, retries_smaller, check, check_float, interpreted, next_pow2
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
@@ -171,7 +171,7 @@ def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
         return max(1, int(forced))
     if max_q != 1:
         return 1
-    return max(1, min(config.get("MAX_SPLITS", 8), triton.cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
+    return max(1, min(config.get("MAX_SPLITS", 8), cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
 
 
 @retries_smaller(NAME)
@@ -189,9 +189,9 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
     group = Hq // Hkv
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     splits = _splits(config, max_q, max_k, block_n)
-    split_keys = triton.cdiv(triton.cdiv(max(max_k, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(max_k, 1), split_keys)
-    blocks = triton.cdiv(max_q * group, block_m)
+    split_keys = cdiv(cdiv(max(max_k, 1), splits), block_n) * block_n
+    splits = cdiv(max(max_k, 1), split_keys)
+    blocks = cdiv(max_q * group, block_m)
     if splits > 1:
         ws_acc, ws_ml = split_workspace(splits, Tq * Hq, Dv, q.device)  # rows in (token, head) order
     else:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_float, next_pow2
+from ._common import broadcasts_to, cdiv, check, check_float, next_pow2
 
 NAME = "rope"
 
@@ -51,11 +51,7 @@ def check_inputs(x, cos, sin) -> None:
     check(1 <= x.dim() <= 4, NAME, f"x must have 1 to 4 dims, got shape {tuple(x.shape)}")
     check(x.shape[-1] % 2 == 0, NAME, f"rotary dim {x.shape[-1]} must be even")
     for name, t in (("cos", cos), ("sin", sin)):
-        try:
-            ok = torch.broadcast_shapes(t.shape, x.shape) == x.shape
-        except RuntimeError:
-            ok = False
-        check(ok, NAME, f"{name} shape {tuple(t.shape)} does not broadcast to x shape {tuple(x.shape)}")
+        check(broadcasts_to(t.shape, x.shape), NAME, f"{name} shape {tuple(t.shape)} does not broadcast to x shape {tuple(x.shape)}")
 
 
 def out_dtype(x, cos, sin) -> torch.dtype:
@@ -73,7 +69,7 @@ def launch(x, cos, sin, *, config: dict) -> torch.Tensor:
     n0, n1, n2, d = shape4
     n_rows, half = n0 * n1 * n2, d // 2
     br = config["BLOCK_R"]
-    _rope_fwd[(triton.cdiv(n_rows, br),)](
+    _rope_fwd[(cdiv(n_rows, br),)](
         x4, c4, s4, y, n_rows, n1, n2, half,
         *x4.stride(), *c4.stride(), *s4.stride(),
         BLOCK_R=br, BLOCK_H=max(1, next_pow2(half)), num_warps=config.get("num_warps", 4),

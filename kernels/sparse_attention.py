@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
 from . import _common
-from ._common import retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
+from ._common import broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -153,11 +153,7 @@ def check_mask(kernel: str, mask, full_shape: tuple, device) -> None:
           f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
     check(mask.device == device, kernel, "mask is on a different device than q")
     check(mask.dim() <= 4, kernel, f"mask must have at most 4 dims, got {mask.dim()}")
-    try:
-        ok = torch.broadcast_shapes(mask.shape, full_shape) == tuple(full_shape)
-    except RuntimeError:
-        ok = False
-    check(ok, kernel, f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(full_shape)}")
+    check(broadcasts_to(mask.shape, full_shape), kernel, f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(full_shape)}")
 
 
 def check_scalars(kernel: str, scale, causal, causal_offset, zero_empty_rows) -> None:
@@ -220,7 +216,7 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     # the head tile is padded to 16 rows (tl.dot's minimum) when the group is smaller
     block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(group)))
     block_n = _block(config, "BLOCK_N")
-    head_blocks = triton.cdiv(group, block_h)
+    head_blocks = cdiv(group, block_h)
     # query rows along x (a long prefill passes 65,535); batch x kv heads x head blocks along y,
     # launched in slices of the batch where they would pass CUDA's 65,535
     per_batch = Hkv * head_blocks

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check
+from ._common import cdiv, check
 
 NAME = "token_ids"
 ID_DTYPES = (torch.int64, torch.int32)
@@ -46,7 +46,7 @@ def launch(ids: torch.Tensor, vocab: int, *, config: dict) -> tuple[torch.Tensor
     first = torch.full((1,), n, dtype=torch.int64, device=ids.device)
     if n:
         block = config["BLOCK"]
-        _check_ids[(triton.cdiv(n, block),)](flat, safe, first, n, vocab, BLOCK=block,
+        _check_ids[(cdiv(n, block),)](flat, safe, first, n, vocab, BLOCK=block,
                                              num_warps=config.get("num_warps", 4))
     return safe.view(ids.shape), first
 

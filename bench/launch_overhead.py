@@ -1,0 +1,119 @@
+"""Host cost per call of each metainfer op on its GPU launch path, with the Triton launch itself
+stubbed out: what a decode step pays in Python before any kernel runs.
+
+    python bench/launch_overhead.py [--calls 400] [--repeats 5] [--json]
+
+Each op is called through its custom-op dispatch (`torch.ops.metainfer.*`; the paged kernel
+through its launcher, its op reads the engine's pool) on decode-sized CPU tensors, with the
+launchers deciding as on an sm_89 GPU (lowering/aot.py's recording: every `kernel[grid](...)`
+is dropped, so what is timed is dispatch, input checks, config lookup, grid and workspace
+set-up). Median over `--repeats` runs of `--calls` calls, in microseconds per call; the
+machine and its load are printed beside them. `--json`: the last line is
+{"ops": {"op name": microseconds, ...}}.
+
+On a GPU these costs add up per layer per step unless the step is replayed from a CUDA graph;
+a CPU's figures are an upper bound of a GPU host's (faster cores), not a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("METAINFER_TRITON_INTERPRET", "1")  # launch paths on CPU tensors
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from metainfer import kernels  # noqa: E402
+from metainfer.kernels import paged_attention  # noqa: E402
+from metainfer.lowering import aot, ops  # noqa: E402,F401  (registers torch.ops.metainfer)
+from metainfer.lowering.kernel_configs import config_for  # noqa: E402
+
+
+def cases() -> dict:
+    """op name -> a call of one decode-sized step of it (batch 4, one new token each)."""
+    g = torch.Generator().manual_seed(0)
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    mi = torch.ops.metainfer
+    B, H, Hkv, D, S = 4, 32, 8, 128, 1024
+    q, k, v = randn(B, H, 1, D), randn(B, Hkv, S, D), randn(B, Hkv, S, D)
+    x, w = randn(B, 4096), randn(4096)
+    cos, sin = randn(1, 1, 1, D), randn(1, 1, 1, D)
+    wq, sq = randn(4096, 4096, dtype=e4m3), torch.rand(32, 32, generator=g)
+    E, K, I = 16, 2, 256
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(torch.int32)
+    we, se = randn(E, I, 1024, dtype=e4m3), torch.rand(E, I // 128, 1024 // 128, generator=g)
+    wd, sd = randn(E, 1024, I, dtype=e4m3), torch.rand(E, 1024 // 128, I // 128, generator=g)
+    xm = randn(B, 1024)
+    R, P, T = 512, 64, 2048
+    ql, qp, ckv, kpe = randn(B, 16, 1, R), randn(B, 16, 1, P), randn(B, T, R), randn(B, T, P)
+    idx = torch.randint(0, S, (B, 1, 64), generator=g, dtype=torch.int32)
+    pool_k, pool_v = randn(8192, Hkv, D), randn(8192, Hkv, D)
+    lens = [700, 90, 1500, 333]
+    cu_q = torch.arange(B + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    key_index = torch.randperm(8192, generator=g)[:sum(lens)].to(torch.int32)
+    qp_flat = randn(B, H, D)
+    paged_cfg = config_for("paged_attention", torch.device("cpu"))
+    return {
+        "attention (decode, 1024 keys)": lambda: mi.attention(q, k, v, None, D ** -0.5, True, S - 1, False),
+        "rmsnorm": lambda: mi.rmsnorm(x, w, 1e-6, 0.0, bf16),
+        "add_rmsnorm": lambda: mi.add_rmsnorm(x, x, w, 1e-6, 0.0, bf16),
+        "swiglu": lambda: mi.swiglu(x, x),
+        "rope": lambda: mi.rope(q, cos, sin),
+        "fp8_linear (M=4)": lambda: mi.fp8_linear(x, wq, sq, None, 128, 128, False),
+        "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, torch.ones(B, K), we, we, wd, se, se, sd,
+                                                                      128, 128),
+        "sparse_attention (top-64)": lambda: mi.sparse_attention(q, k, v, idx, None, D ** -0.5, True, S - 1, False,
+                                                                 float("-inf")),
+        "mla_decode (2048 latents)": lambda: mi.mla_decode(ql, qp, ckv, kpe, None, None, 0.04, True, T - 1, False),
+        "paged_attention launch (4 requests)": lambda: paged_attention.launch(
+            qp_flat, pool_k, pool_v, key_index, cu_q, cu_k, 1, max(lens), D ** -0.5, config=paged_cfg),
+    }
+
+
+def measure(call, calls: int, repeats: int, launches: list) -> float:
+    for _ in range(20):
+        call()
+    runs = []
+    for _ in range(repeats):
+        launches.clear()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="last line: {\"ops\": {name: microseconds}}")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"host: {os.cpu_count()} CPUs, load {load:.2f}, torch {torch.__version__}, {a.threads} thread(s); "
+          f"launches stubbed, decisions as on sm_89")
+    results = {}
+    with kernels.interpret(True), aot._recording(89) as launches:
+        for name, call in cases().items():
+            results[name] = round(measure(call, a.calls, a.repeats, launches), 1)
+            print(f"  {name:40s} {results[name]:8.1f} us/call", flush=True)
+    if a.json:
+        print(json.dumps({"ops": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

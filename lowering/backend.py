@@ -145,6 +145,10 @@ class MetainferBackend:
         # record each compiled graph's wall time per call in its section (the cost model's
         # validation benchmark compares them with the predictions); set before the graphs compile
         self.time_calls = False
+        # whether the caller's graph may be replayed from a CUDA graph (a decode step whose shapes
+        # do not grow with the context: a static KV cache); the api sets it per call
+        self.replayable = False
+        self.cuda_graphs = True  # optimize(cuda_graphs=...)
         kernel_configs.activate(target)
 
     def call_starts(self) -> None:
@@ -167,12 +171,15 @@ class MetainferBackend:
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
                                inputs=graph_input_labels(gm, example_inputs), lowering=self.lowering,
                                phase=self.phase() if callable(self.phase) else self.phase,
-                               recompile_reasons=recompiled_because[:4])
+                               recompile_reasons=recompiled_because[:4],
+                               cuda_graphs=uses_cuda_graphs(self.target, self.lowering, self.cuda_graphs,
+                                                            self.replayable))
         original = copy.deepcopy(gm) if self.capture else None
         t0 = time.perf_counter()
         compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
                                  explicit=self.explicit, lowering=self.lowering, options=self.options,
-                                 graph_index=section.index, section=section, cache_dir=self.cache_dir)
+                                 graph_index=section.index, section=section, cache_dir=self.cache_dir,
+                                 cuda_graphs=section.cuda_graphs)
         section.compile_seconds = time.perf_counter() - t0
         self.report.sections.append(section)  # only graphs that compiled
         if self.capture:
@@ -195,6 +202,15 @@ class MetainferBackend:
         return run
 
 
+def uses_cuda_graphs(target, lowering: str, enabled: bool, replayable: bool) -> bool:
+    """Whether a graph is compiled to replay from CUDA graphs (Inductor's CUDA-graph trees: one
+    capture per distinct input shape, replayed with the kernels' launches skipped): on a CUDA
+    target, through Inductor, for a call whose shapes stay fixed from step to step (a decode step
+    over a static cache; its lengths are read from device tensors). A cache that grows every step
+    would capture a graph per step."""
+    return enabled and replayable and target.device.kind == "cuda" and lowering == "inductor"
+
+
 def timed(compiled: Callable, seconds: list) -> Callable:
     """`compiled` that appends the wall time of each call to `seconds`."""
     def run(*args):
@@ -207,7 +223,7 @@ def timed(compiled: Callable, seconds: list) -> Callable:
 
 
 def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=False, lowering="inductor",
-                  options=None, graph_index=0, section=None, cache_dir=None):
+                  options=None, graph_index=0, section=None, cache_dir=None, cuda_graphs: bool = False):
     """Compile one Dynamo graph with a pipeline; fill `section.records` if given."""
     manager = PassManager(passes, target, disabled=disabled, explicit=explicit, options=options,
                           graph_index=graph_index)
@@ -217,14 +233,14 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
         root = compile_cache.cache_dir(cache_dir)
         key = compile_cache.key(manager.uuid(), gm, graph_input_specs(gm, example_inputs))
         compile_cache.point_inductor_at(root)
-        compiled = _inductor(gm, example_inputs, manager, caches=True)
+        compiled = _inductor(gm, example_inputs, manager, caches=True, cuda_graphs=cuda_graphs)
         if manager.invocations == 0:  # Inductor served it from its cache: the passes did not run
             cached = compile_cache.load(root, key)
             if cached is not None:
                 if section is not None:
                     section.records, section.from_cache = cached, True
                 return compiled
-            compiled = _inductor(gm, example_inputs, manager, caches=False)
+            compiled = _inductor(gm, example_inputs, manager, caches=False, cuda_graphs=cuda_graphs)
         compile_cache.store(root, key, manager.records)
     if section is not None:
         section.records = manager.records
@@ -232,10 +248,12 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
     return compiled
 
 
-def _inductor(gm, example_inputs, manager: PassManager, caches: bool):
+def _inductor(gm, example_inputs, manager: PassManager, caches: bool, cuda_graphs: bool = False):
     from torch._inductor.compile_fx import compile_fx
 
     patches = {"post_grad_custom_post_pass": manager}
+    if cuda_graphs:
+        patches["triton.cudagraphs"] = True
     if not caches:
         patches["fx_graph_cache"] = False
         with torch._functorch.config.patch(enable_autograd_cache=False):

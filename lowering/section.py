@@ -26,6 +26,7 @@ class GraphSection:
     schedule: Any = None  # metainfer.simulate.Schedule of the final graph (None when served from cache)
     simulation_error: str | None = None
     call_seconds: list[float] = field(default_factory=list)  # wall time per call, when the backend times calls
+    cuda_graphs: bool = False  # compiled to replay from CUDA graphs (lowering.backend.uses_cuda_graphs)
 
     @property
     def prediction(self) -> dict[str, Any] | None:

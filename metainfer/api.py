@@ -24,6 +24,19 @@ from metainfer.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (a serving engine
+    capturing its step): nothing may wait on the device, or record events, until it ends."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _static_cache(kwargs) -> bool:
+    """Whether the call's KV cache keeps its shapes from step to step (Hugging Face's static
+    caches say so with `is_compileable`): its decode graph can be replayed."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.25 renamed it "cache"
+    return bool(getattr(cache, "is_compileable", False))
+
+
 class CallTimes:
     """The seconds each observed call took, handed to its callback without stalling the host.
 
@@ -85,6 +98,7 @@ class OptimizedModel:
         self._dump_dir = dump_dir
         self._dumped_sections = 0
         self._inputs = ModelInputs(model)
+        self._serving_fn = None  # the function the last serving step ran
         self._modules = list(model.modules())  # read on every call: is any in training mode?
 
     @property
@@ -169,15 +183,22 @@ class OptimizedModel:
             ids = self._inputs.token_ids(args, kwargs)
             tokens = ids.shape[-1] if ids is not None and ids.dim() else 1
             name = self._backend.phase = phase(kwargs, tokens)
+            self._backend.replayable = name == "decode" and step is None and _static_cache(kwargs)
             self._backend.call_starts()
             packed = step is not None or (symbolic is not None and symbolic(kwargs, tokens))
             fn = self._compiled_packed if packed else self._compiled
             shapes = contextlib.nullcontext()
+            captured = capturing()
             if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
-                fn = self._compiled_packed if step.use_compiled(self._serve_compile, tokens) else self._forward
+                if captured and self._serving_fn is not None:
+                    fn = self._serving_fn  # the engine captures the path its warm-up call just ran
+                else:
+                    fn = self._compiled_packed if step.use_compiled(self._serve_compile, tokens) else self._forward
+                self._serving_fn = fn
                 shapes = _serving_shapes()
             graphs = len(self.report.sections)
-            timing = times.start() if (observe is not None or step is not None) else None
+            # a captured call is not timed (its replays never reach here)
+            timing = times.start() if (observe is not None or step is not None) and not captured else None
             with (torch.no_grad(), capture.capturable(self.model) as notes,
                   step(kwargs) if step is not None else contextlib.nullcontext(), shapes):
                 try:
@@ -347,7 +368,8 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
              lowering: str | None = None, pass_options: dict | None = None,
              cache_dir: str | os.PathLike | None = None, dynamic: bool | None = None,
              emulate: bool = False, tensor_parallel: int | None = None,
-             expert_parallel: bool | None = None, serve_compile: str | None = None) -> OptimizedModel:
+             expert_parallel: bool | None = None, serve_compile: str | None = None,
+             cuda_graphs: bool = True) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
     target: a name from metainfer.targets.names(), a TOML path, or a Target.
@@ -375,6 +397,10 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         switch from eager to the compiled graph: "auto" (default; once the compile's measured or
         predicted cost is at most 20% of the eager serving time, metainfer.serve_compile),
         "always" (at the first step), "never"; $METAINFER_SERVE_COMPILE sets the default.
+    cuda_graphs: on a CUDA target (Inductor lowering), generate()'s decode steps over a static
+        KV cache (cache_implementation="static") replay CUDA graphs, one per batch size, instead
+        of launching every kernel from Python; False launches them. A serving engine captures
+        its own steps (transformers' continuous batching CUDA-graph mode).
 
     Inside a torch.distributed job of several ranks the model is sharded in place for tensor
     parallelism over each group of tp consecutive ranks (its plan: Hugging Face's
@@ -399,6 +425,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
                  dynamic=dynamic, dump_dir=dump,
                  serve_compile=serve_compile or os.environ.get("METAINFER_SERVE_COMPILE") or "auto")
     opt.report.notes.extend(dist_notes)
+    opt._backend.cuda_graphs = bool(cuda_graphs)
     if example_inputs is None:
         return opt
     out = opt(*args, **kwargs)

@@ -91,6 +91,10 @@ class TokenGuard:
                     raise out_of_range(ids, vocab, what)
             return ids, _nothing
         safe, first = _safe_copy(ids, vocab)
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph's capture (the engine's; its ids were checked when admitted):
+            # the graph keeps the safe copy, nothing is read back
+            return safe, _nothing
         if ids.is_cuda:
             host = self._host.get(ids.device)
             if host is None:

@@ -38,7 +38,8 @@ class Report:
 
     def compiles(self) -> list[dict[str, Any]]:
         """One line per compiled graph: index, phase, why, inputs."""
-        return [{"index": s.index, "phase": s.phase, "why": s.why, "inputs": s.inputs} for s in self.sections]
+        return [{"index": s.index, "phase": s.phase, "why": s.why, "inputs": s.inputs, "cuda_graphs": s.cuda_graphs}
+                for s in self.sections]
 
     @property
     def graph_breaks(self) -> list[str]:
@@ -81,7 +82,8 @@ class Report:
         if not self.sections:
             out.append("  (nothing compiled yet: the model has not been called)")
         for s in self.sections:
-            head = f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}] {s.phase}; {s.why}"
+            head = (f"graph {s.index} [{s.lowering}{', cached' if s.from_cache else ''}"
+                    f"{', CUDA graphs' if s.cuda_graphs else ''}] {s.phase}; {s.why}")
             if s.break_reasons:
                 head += f"; ends at a graph break: {s.break_reasons[0]}"
             out += _wrap(head, "", "    ")
@@ -129,7 +131,8 @@ class Report:
                 md.append("Dynamo ended this graph at a graph break:")
                 md += [f"- {b}" for b in s.break_reasons]
                 md.append("")
-            md.append(f"Phase: {s.phase}; compiled because: {s.why}.")
+            md.append(f"Phase: {s.phase}; compiled because: {s.why}."
+                      + (" Replayed from CUDA graphs." if s.cuda_graphs else ""))
             md.append("")
             md.append(f"Lowering: {s.lowering}{' (compiled graph reused from cache)' if s.from_cache else ''}; "
                       f"inputs: {', '.join(s.inputs) if s.inputs else '-'}")

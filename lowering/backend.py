@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 from metainfer.passes import PassManager
 
-from . import compile_cache, kernel_configs
+from . import compile_cache, kernel_configs, symm_mem
 from .section import GraphSection
 
 LOWERINGS = ("inductor", "aot_eager")
@@ -176,10 +176,11 @@ class MetainferBackend:
                                                             self.replayable))
         original = copy.deepcopy(gm) if self.capture else None
         t0 = time.perf_counter()
-        compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
-                                 explicit=self.explicit, lowering=self.lowering, options=self.options,
-                                 graph_index=section.index, section=section, cache_dir=self.cache_dir,
-                                 cuda_graphs=section.cuda_graphs)
+        with symm_mem.owned_by(self):  # symmetric buffers the passes reserve live as long as this model
+            compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,
+                                     explicit=self.explicit, lowering=self.lowering, options=self.options,
+                                     graph_index=section.index, section=section, cache_dir=self.cache_dir,
+                                     cuda_graphs=section.cuda_graphs)
         section.compile_seconds = time.perf_counter() - t0
         self.report.sections.append(section)  # only graphs that compiled
         if self.capture:

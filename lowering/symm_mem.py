@@ -3,19 +3,89 @@
 CUDA and peer-to-peer access exist (never on CPU: there the op has no implementation and the
 pass does not select it).
 
-The input is copied into a symmetric buffer kept per (group, dtype, size) — allocated and
-exchanged with the peers (`rendezvous`, a collective) the first time, which every rank reaches
-at the same point of the same graph — then torch's kernels run: one-shot (each rank reads
-every peer's buffer and reduces) or two-shot (reduce-scatter then all-gather by direct reads).
+The input is copied into a symmetric buffer kept per (group, dtype, size), then torch's
+kernels run: one-shot (each rank reads every peer's buffer and reduces) or two-shot
+(reduce-scatter then all-gather by direct reads). The buffer is allocated and exchanged with
+the peers (`rendezvous`) by select_collectives at pass time (`reserve`), before it picks
+one-/two-shot: where the allocation or the exchange fails (a container that refuses CUDA IPC)
+the pass declines with the reason and the graph never holds the op. Buffers belong to the
+optimized models whose graphs use them (`owned_by`) and are freed when the last one is. A graph
+Inductor served from its cache did not run the pass: its op allocates on first use, unowned.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
 
 import torch
 from torch import Tensor
 
 _BUFFERS: dict[tuple, Tensor] = {}
+_USERS: dict[tuple, int] = {}  # key -> models owning it
+_OWNED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+_owner: contextvars.ContextVar = contextvars.ContextVar("symm_mem_owner", default=None)
 ALGORITHMS = ("one_shot", "two_shot")
+
+
+@contextlib.contextmanager
+def owned_by(owner):
+    """Buffers reserved inside the block belong to `owner` (a model's backend) and are freed
+    when it is garbage collected (and no other owner holds them)."""
+    token = _owner.set(owner)
+    try:
+        yield
+    finally:
+        _owner.reset(token)
+
+
+def _allocate(numel: int, dtype: torch.dtype, device: torch.device, group_name: str) -> Tensor:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(numel, dtype=dtype, device=device)
+    symm_mem.rendezvous(buf, group_name)
+    return buf
+
+
+def reserve(group_name: str, dtype: torch.dtype, numel: int, device: torch.device | None = None) -> str | None:
+    """Allocate the symmetric buffer for an all-reduce of `numel` `dtype` elements over
+    `group_name` on `device` (default: the current CUDA device) and exchange it with the peers,
+    now; None, or why it cannot be."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return "no CUDA device in this process"
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (group_name, dtype, numel, device.index)
+    if key not in _BUFFERS:
+        try:
+            _BUFFERS[key] = _allocate(numel, dtype, device, group_name)
+        except Exception as e:  # noqa: BLE001 - any failure is the reason the pass declines
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        _USERS[key] = 0
+    owner = _owner.get()
+    if owner is not None:
+        keys = _OWNED.get(owner)
+        if keys is None:
+            keys = _OWNED[owner] = set()
+            weakref.finalize(owner, _release, keys)
+        if key not in keys:
+            keys.add(key)
+            _USERS[key] += 1
+    return None
+
+
+def _release(keys: set) -> None:
+    for key in keys:
+        _USERS[key] -= 1
+        if _USERS[key] <= 0:
+            _BUFFERS.pop(key, None)
+            _USERS.pop(key, None)
+
+
+def reserved() -> list[tuple]:
+    """The (group, dtype, numel, device index) of every buffer held now."""
+    return list(_BUFFERS)
 
 
 def available(device_kind: str) -> bool:
@@ -31,14 +101,11 @@ def available(device_kind: str) -> bool:
 
 
 def _buffer(x: Tensor, group_name: str) -> Tensor:
-    from torch.distributed import _symmetric_memory as symm_mem
-
     key = (group_name, x.dtype, x.numel(), x.device.index)
     buf = _BUFFERS.get(key)
-    if buf is None:
-        buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
-        symm_mem.rendezvous(buf, group_name)
-        _BUFFERS[key] = buf
+    if buf is None:  # a graph from Inductor's cache: the pass did not reserve it in this process
+        buf = _BUFFERS[key] = _allocate(x.numel(), x.dtype, x.device, group_name)
+        _USERS[key] = _USERS.get(key, 0)
     return buf
 
 

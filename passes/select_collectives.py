@@ -77,6 +77,20 @@ def _symmetric_memory_available(target) -> bool:
     return _AGREED[world]
 
 
+def _reserve_symmetric(group_name: str, dtype: torch.dtype, numel: int) -> str | None:
+    """Allocate and exchange this all-reduce's symmetric buffer now, on every rank of the group;
+    None if all did, else the first failure (every rank then declines the same way)."""
+    from metainfer.lowering import symm_mem
+
+    why = symm_mem.reserve(group_name, dtype, numel)
+    verdicts = ranks.exchange(why, group_name) if dist.get_backend() != "fake" else [why]
+    failed = [(r, w) for r, w in enumerate(verdicts) if w is not None]
+    if not failed:
+        return None
+    r, w = failed[0]
+    return f"its symmetric buffer ({numel} x {str(dtype).replace('torch.', '')}) failed on member {r} of the group: {w}"
+
+
 def allowed_algorithms(target, members: tuple[int, ...]) -> set[str]:
     """The all-reduce algorithms this pass may pick for a group of ranks `members` on `target`:
     the ring always; hierarchical on the whole job's island groups; one-/two-shot where P2P
@@ -129,6 +143,12 @@ class SelectCollectives(Pass):
             allowed = allowed_algorithms(target, members)
             options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=members) if c.algorithm in allowed]
             chosen = min(options, key=lambda c: c.seconds)
+            if chosen.algorithm in ("one_shot", "two_shot"):
+                why_not = _reserve_symmetric(group_name, low if narrow else val.dtype, numel)
+                if why_not is not None:
+                    res.near_misses.append(f"{location(node)}: all_reduce not {_LABEL[chosen.algorithm]}: {why_not}")
+                    options = [c for c in options if c.algorithm not in ("one_shot", "two_shot")]
+                    chosen = min(options, key=lambda c: c.seconds)
             ring = next(c for c in options if c.algorithm == "ring")
             others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)
             where = location(node)

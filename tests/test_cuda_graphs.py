@@ -85,3 +85,33 @@ def test_a_captured_serving_step_keeps_its_warm_up_path_and_is_not_timed(monkeyp
     for i in range(1, len(ran), 2):  # each capture ran what its warm-up ran, though the policy flipped
         assert ran[i] == ran[i - 1], ran
     assert len(timed) == (len(ran) + 1) // 2  # only the warm-ups were timed
+
+
+def test_symmetric_buffers_are_freed_with_the_models_that_reserved_them(monkeypatch):
+    """lowering.symm_mem.reserve allocates (here a stand-in for CUDA symmetric memory) under its
+    owner; the buffer lives while any owner does."""
+    import gc
+
+    from metainfer.lowering import symm_mem
+
+    made = []
+    monkeypatch.setattr(symm_mem, "_allocate", lambda n, dt, dev, group: made.append(group) or torch.empty(n, dtype=dt))
+    cpu = torch.device("cpu")
+
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    with symm_mem.owned_by(a):
+        assert symm_mem.reserve("g0", torch.bfloat16, 64, cpu) is None
+    with symm_mem.owned_by(b):
+        assert symm_mem.reserve("g0", torch.bfloat16, 64, cpu) is None  # shared, not allocated twice
+    assert made == ["g0"] and ("g0", torch.bfloat16, 64, None) in symm_mem.reserved()
+    del a
+    gc.collect()
+    assert ("g0", torch.bfloat16, 64, None) in symm_mem.reserved()
+    del b
+    gc.collect()
+    assert ("g0", torch.bfloat16, 64, None) not in symm_mem.reserved()
+    monkeypatch.setattr(symm_mem, "_allocate", lambda *a: (_ for _ in ()).throw(RuntimeError("IPC refused\nmore")))
+    assert symm_mem.reserve("g1", torch.float32, 8, cpu) == "RuntimeError: IPC refused"

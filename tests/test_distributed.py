@@ -256,17 +256,24 @@ def degree_mismatch(rank, world):
     metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, tensor_parallel=3)
 
 
-def symmetric_memory_selection(rank, world, available):
+def symmetric_memory_selection(rank, world, available, refusing_rank=None):
     """The pass's choice where P2P kernels would be available (pretended here: the graph is
-    only analysed, never run, since the op has no CPU implementation) and where not."""
+    only analysed, never run, since the op has no CPU implementation) and where not; with
+    `refusing_rank`, that rank's symmetric buffer cannot be allocated (a container refusing IPC)."""
+    from metainfer.lowering import symm_mem
     from metainfer.passes import select_collectives as sc
 
     sc._symmetric_memory_available = lambda target: available
+
+    def reserve(group_name, dtype, numel, device=None):
+        return "RuntimeError: CUDA IPC refused" if rank == refusing_rank else None
+
+    symm_mem.reserve = reserve
     model, ids, _ = _model("hf-llama", 2)
     t, _ = distributed.prepare(model, "pcie8", emulate=True, tensor_parallel=world)
     report = metainfer.analyze(model, t, example_inputs=(ids,), passes=["select_collectives"])
     rec = report.record("select_collectives")
-    return rec.decisions, rec.graph_after or ""
+    return rec.decisions, rec.graph_after or "", rec.near_misses
 
 
 def low_precision_run(rank, world):
@@ -574,11 +581,23 @@ def test_experts_that_do_not_split_are_refused():
 
 def test_one_shot_only_where_symmetric_memory_exists():
     pretend = multirank.run(symmetric_memory_selection, 2, args=(True,), timeout_s=TIMEOUT_S)
-    decisions, graph = pretend[0]
+    decisions, graph, _ = pretend[0]
     assert all("one-shot" in d.split(": ", 2)[2].split(",")[0] for d in decisions), decisions
     assert "metainfer.symm_mem_all_reduce" in graph and "_c10d_functional.all_reduce" not in graph
     real = multirank.run(symmetric_memory_selection, 2, args=(False,), timeout_s=TIMEOUT_S)
     assert not any("one-shot, predicted" in d for d in real[0][0]), "never selected on CPU"
+
+
+def test_symmetric_memory_that_cannot_be_allocated_is_declined_by_every_rank():
+    """The buffer is allocated and exchanged at pass time: where one rank's allocation fails,
+    every rank keeps off one-/two-shot and says why."""
+    results = multirank.run(symmetric_memory_selection, 2, args=(True, 1), timeout_s=TIMEOUT_S)
+    for decisions, graph, near in results:
+        assert "metainfer.symm_mem_all_reduce" not in graph
+        assert not any("one-shot, predicted" in d for d in decisions)
+        declined = [n for n in near if "not one-shot" in n]
+        assert declined and all("failed on member 1 of the group: RuntimeError: CUDA IPC refused" in n
+                                for n in declined), near
 
 
 def test_low_precision_transport_is_opt_in_and_bounded():

@@ -18,7 +18,8 @@ experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and 
 99 KiB (float32 heads of 256, MLA's latent of 1024), sparse attention's unselected rows redone
 on the device, the token check's position of the first bad id, three ops through the custom-op
 dispatch (torch.ops.metainfer), and a tiny Hugging Face Llama optimized for the GPU whose
-generate() and generate_batch() tokens must equal eager's. The kernels use the config rows of
+generate() (growing cache; static cache, its decode replayed from CUDA graphs; prompt-lookup
+speculation) and generate_batch() tokens must equal eager's. The kernels use the config rows of
 the GPU's own architecture (sm_90 on Hopper). Each check stops after --timeout seconds;
 --json FILE writes the rows. The first call of a shape
 runs triton.autotune over the config row's candidates, untimed (`run` calls each kernel once
@@ -346,9 +347,20 @@ def _end_to_end(dev, f):
 
     def tokens(model):
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        # decode over a static cache: on a GPU metainfer replays it from CUDA graphs
+        static = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        spec = model.generate(ids[:1], max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
         batch = model.generate_batch(reqs, generation_config=greedy, continuous_batching_config=cb)
-        return torch.cat([out.flatten().cpu()] + [torch.tensor(r.generated_tokens) for r in batch.values()])
-    return {"ours": lambda: tokens(opt), "reference": lambda: tokens(m), "torch": lambda: tokens(m),
+        return torch.cat([out.flatten().cpu(), static.flatten().cpu(), spec.flatten().cpu()]
+                         + [torch.tensor(r.generated_tokens) for r in batch.values()])
+
+    def ours():
+        got = tokens(opt)
+        replayed = [s.index for s in opt.report.sections if s.cuda_graphs]
+        if dev == "cuda" and not replayed:
+            raise AssertionError("no decode graph was compiled to replay from CUDA graphs")
+        return got
+    return {"ours": ours, "reference": lambda: tokens(m), "torch": lambda: tokens(m),
             "dtype": torch.int64, "once": True}
 
 
@@ -375,7 +387,8 @@ CHECKS = [
     Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla_wide),
     Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled),
     Check("dispatch", "attention, rmsnorm, swiglu via torch.ops.metainfer", _dispatch),
-    Check("end_to_end", "tiny Llama: generate + generate_batch = eager", _end_to_end),
+    Check("end_to_end", "tiny Llama: generate (dynamic, static/CUDA graphs, prompt lookup) + generate_batch = eager",
+          _end_to_end),
 ]
 
 

@@ -21,13 +21,20 @@ def check(cond: bool, kernel: str, msg: str) -> None:
         raise KernelInputError(f"{kernel}: {msg}")
 
 
+def fail(kernel: str, msg: str):
+    """Raise the KernelInputError of a failed check. Checks whose message is formatted write
+    `if not cond: fail(...)`: a launch that passes formats nothing (check()'s f-string argument
+    would be built on every call, a few microseconds each)."""
+    raise KernelInputError(f"{kernel}: {msg}")
+
+
 GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z dimensions (x goes to 2^31 - 1)
 
 
 def check_grid(grid: tuple, kernel: str, what: str) -> None:
     """A launch grid CUDA accepts: y and z at most GRID_YZ_MAX (`what` names what y counts)."""
-    check(all(g <= GRID_YZ_MAX for g in grid[1:]), kernel,
-          f"{what} need a launch grid of {tuple(grid)}, past CUDA's {GRID_YZ_MAX} programs along y / z")
+    if not all(g <= GRID_YZ_MAX for g in grid[1:]):
+        fail(kernel, f"{what} need a launch grid of {tuple(grid)}, past CUDA's {GRID_YZ_MAX} programs along y / z")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,17 +56,19 @@ def next_pow2(n: int) -> int:
 
 
 def check_float(kernel: str, name: str, t: torch.Tensor) -> None:
-    check(isinstance(t, torch.Tensor), kernel, f"{name} must be a tensor, got {type(t).__name__}")
-    check(t.dtype in FLOAT_DTYPES, kernel,
-          f"{name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    if not isinstance(t, torch.Tensor):
+        fail(kernel, f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        fail(kernel, f"{name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
 
 
 def as_rows(kernel: str, name: str, t: torch.Tensor) -> torch.Tensor:
     """View `t` (..., N) as (rows, N) without copying; its last dim must have stride 1."""
-    check(t.dim() >= 1, kernel, f"{name} must have at least one dimension")
+    if not t.dim() >= 1:
+        fail(kernel, f"{name} must have at least one dimension")
     n = t.shape[-1]
-    check(t.stride(-1) == 1 or n == 1, kernel,
-          f"{name} must have unit stride in its last dimension (got strides {tuple(t.stride())}); "
+    if not (t.stride(-1) == 1 or n == 1):
+        fail(kernel, f"{name} must have unit stride in its last dimension (got strides {tuple(t.stride())}); "
           "call .contiguous() first")
     try:
         return t.view(-1, n)
@@ -183,8 +192,9 @@ _fitted: dict = {}
 
 
 def _fit_key(kernel: str, config: dict, args) -> tuple:
-    return kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
-                 for a in args)
+    shapes = tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
+                   for a in args)
+    return kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), shapes
 
 
 def retries_smaller(kernel: str):

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, TUNED_KEYS, autotuned, check, check_float, check_grid, interpreted, next_pow2,
-                      split_count, tune_candidates)
+from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, broadcasts_to, cdiv, check, check_float, check_grid, fail,
+                      interpreted, next_pow2, retries_smaller, split_count, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -149,35 +149,48 @@ def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=Fa
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(NAME, name, t)
-        check(t.dim() == 4, NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    check(q.dtype == k.dtype == v.dtype, NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if not t.dim() == 4:
+            fail(NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        fail(NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
     B, Hq, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
-    check(Bk == B and v.shape[0] == B, NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
-    check(Dk == D, NAME, f"q and k head dims differ: {D} vs {Dk}")
-    check(tuple(v.shape[1:3]) == (Hkv, Sk), NAME,
-          f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
-    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if not (Bk == B and v.shape[0] == B):
+        fail(NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    if not Dk == D:
+        fail(NAME, f"q and k head dims differ: {D} vs {Dk}")
+    if not tuple(v.shape[1:3]) == (Hkv, Sk):
+        fail(NAME, f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
+    if not (Hkv > 0 and Hq % Hkv == 0):
+        fail(NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     Dv = v.shape[3]
-    check(0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM, NAME,
-          f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
+    if not (0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM):
+        fail(NAME, f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
     if mask is not None:
         check(isinstance(mask, torch.Tensor), NAME, "mask must be a tensor or None")
-        check(mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES, NAME,
-              f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
+        if not (mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES):
+            fail(NAME, f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
         check(mask.device == q.device, NAME, "mask is on a different device than q")
-        check(mask.dim() <= 4, NAME, f"mask must have at most 4 dims, got {mask.dim()}")
-        check(broadcasts_to(mask.shape, (B, Hq, Sq, Sk)), NAME, f"mask shape {tuple(mask.shape)} does not broadcast to {(B, Hq, Sq, Sk)}")
-    check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be a finite number, got {scale!r}")
-    check(isinstance(causal, bool), NAME, f"causal must be a bool, got {causal!r}")
-    check(isinstance(causal_offset, int), NAME, f"causal_offset must be an int, got {causal_offset!r}")
-    check(isinstance(zero_empty_rows, bool), NAME, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
-    check(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
-          and softcap >= 0, NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
-    check(isinstance(window, int) and not isinstance(window, bool) and window >= 0, NAME,
-          f"window must be an int >= 0 (0: none), got {window!r}")
-    check(window == 0 or causal, NAME, f"a sliding window ({window}) needs causal=True: it counts back from the "
+        if not mask.dim() <= 4:
+            fail(NAME, f"mask must have at most 4 dims, got {mask.dim()}")
+        if not broadcasts_to(mask.shape, (B, Hq, Sq, Sk)):
+            fail(NAME, f"mask shape {tuple(mask.shape)} does not broadcast to {(B, Hq, Sq, Sk)}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        fail(NAME, f"scale must be a finite number, got {scale!r}")
+    if not isinstance(causal, bool):
+        fail(NAME, f"causal must be a bool, got {causal!r}")
+    if not isinstance(causal_offset, int):
+        fail(NAME, f"causal_offset must be an int, got {causal_offset!r}")
+    if not isinstance(zero_empty_rows, bool):
+        fail(NAME, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+          and softcap >= 0):
+        fail(NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        fail(NAME, f"window must be an int >= 0 (0: none), got {window!r}")
+    if not (window == 0 or causal):
+        fail(NAME, f"a sliding window ({window}) needs causal=True: it counts back from the "
                                        "causal diagonal")
 
 

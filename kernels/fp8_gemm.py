@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import (cdiv, retries_smaller, TUNED_KEYS, as_rows, autotuned, check, check_float, gpu_capability, interpreted, next_pow2,
+from ._common import (fail, cdiv, retries_smaller, TUNED_KEYS, as_rows, autotuned, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "fp8_gemm"
@@ -215,30 +215,39 @@ def _cdiv(a: int, b: int) -> int:
 def check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
     for name, b in (("block_n", block_n), ("block_k", block_k)):
-        check(_is_block(b), NAME, f"{name} must be a power of two >= 16, got {b!r}")
+        if not _is_block(b):
+            fail(NAME, f"{name} must be a power of two >= 16, got {b!r}")
     check_float(NAME, "x", x)
-    check(isinstance(w, torch.Tensor), NAME, f"w must be a tensor, got {type(w).__name__}")
-    check(w.dtype in FP8_DTYPES, NAME,
-          f"w has dtype {w.dtype}; supported FP8 weight format: torch.float8_e4m3fn (DeepSeek-V3's); "
+    if not isinstance(w, torch.Tensor):
+        fail(NAME, f"w must be a tensor, got {type(w).__name__}")
+    if w.dtype not in FP8_DTYPES:
+        fail(NAME, f"w has dtype {w.dtype}; supported FP8 weight format: torch.float8_e4m3fn (DeepSeek-V3's); "
           "float8_e5m2, float8_e4m3fnuz and float8_e5m2fnuz are not supported")
-    check(w.dim() == 2, NAME, f"w must be 2-D (N, K), got shape {tuple(w.shape)}")
+    if not w.dim() == 2:
+        fail(NAME, f"w must be 2-D (N, K), got shape {tuple(w.shape)}")
     N, K = w.shape
-    check(K >= 1, NAME, f"w has no columns (shape {tuple(w.shape)}); K must be >= 1")
-    check(x.dim() >= 1 and x.shape[-1] == K, NAME,
-          f"x's last dim must equal w's K={K}, got x shape {tuple(x.shape)}")
-    check(isinstance(scale_inv, torch.Tensor), NAME, f"scale_inv must be a tensor, got {type(scale_inv).__name__}")
-    check(scale_inv.dtype == torch.float32, NAME, f"scale_inv has dtype {scale_inv.dtype}; it must be float32")
+    if not K >= 1:
+        fail(NAME, f"w has no columns (shape {tuple(w.shape)}); K must be >= 1")
+    if not (x.dim() >= 1 and x.shape[-1] == K):
+        fail(NAME, f"x's last dim must equal w's K={K}, got x shape {tuple(x.shape)}")
+    if not isinstance(scale_inv, torch.Tensor):
+        fail(NAME, f"scale_inv must be a tensor, got {type(scale_inv).__name__}")
+    if not scale_inv.dtype == torch.float32:
+        fail(NAME, f"scale_inv has dtype {scale_inv.dtype}; it must be float32")
     expected = (_cdiv(N, block_n), _cdiv(K, block_k))
-    check(tuple(scale_inv.shape) == expected, NAME,
-          f"scale_inv shape must be (ceil(N/block_n), ceil(K/block_k)) = {expected} for w {tuple(w.shape)} "
+    if not tuple(scale_inv.shape) == expected:
+        fail(NAME, f"scale_inv shape must be (ceil(N/block_n), ceil(K/block_k)) = {expected} for w {tuple(w.shape)} "
           f"with blocks {block_n}x{block_k}, got {tuple(scale_inv.shape)}")
     devices = {x.device, w.device, scale_inv.device}
     if bias is not None:
         check_float(NAME, "bias", bias)
-        check(tuple(bias.shape) == (N,), NAME, f"bias shape must be ({N},), got {tuple(bias.shape)}")
+        if not tuple(bias.shape) == (N,):
+            fail(NAME, f"bias shape must be ({N},), got {tuple(bias.shape)}")
         devices.add(bias.device)
-    check(len(devices) == 1, NAME, f"inputs are on different devices: {sorted(str(d) for d in devices)}")
-    check(isinstance(act_quant, bool), NAME, f"act_quant must be a bool, got {act_quant!r}")
+    if not len(devices) == 1:
+        fail(NAME, f"inputs are on different devices: {sorted(str(d) for d in devices)}")
+    if not isinstance(act_quant, bool):
+        fail(NAME, f"act_quant must be a bool, got {act_quant!r}")
 
 
 def _row_for_m(config: dict, M: int) -> tuple[dict, int]:
@@ -255,8 +264,8 @@ def _row_for_m(config: dict, M: int) -> tuple[dict, int]:
 def _clamp(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> dict:
     """BLOCK_M/N/K of `config`, clamped so each tile uses one scale and is no larger than needed."""
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        check(_is_block(config.get(key)), NAME,
-              f"config[{key!r}] must be a power of two >= 16 (tl.dot's minimum), got {config.get(key)!r}")
+        if not _is_block(config.get(key)):
+            fail(NAME, f"config[{key!r}] must be a power of two >= 16 (tl.dot's minimum), got {config.get(key)!r}")
     small = lambda n: max(16, next_pow2(n))  # noqa: E731
     # all powers of two, so min() of them divides block_n / block_k
     return {**config, "BLOCK_M": min(config["BLOCK_M"], small(M)),
@@ -375,9 +384,10 @@ def quantize_weight(w_real, block_n: int, block_k: int) -> tuple[torch.Tensor, t
     """w_real (N, K) -> (w (N, K) float8_e4m3fn, scale_inv (ceil(N/bn), ceil(K/bk)) float32).
 
     Per block scale = amax / 448 (1 for an all-zero block), w = w_real / scale rounded to e4m3."""
-    check(_is_block(block_n) and _is_block(block_k), NAME,
-          f"block sizes must be powers of two >= 16, got {block_n!r}, {block_k!r}")
-    check(w_real.dim() == 2, NAME, f"w_real must be 2-D (N, K), got shape {tuple(w_real.shape)}")
+    if not (_is_block(block_n) and _is_block(block_k)):
+        fail(NAME, f"block sizes must be powers of two >= 16, got {block_n!r}, {block_k!r}")
+    if not w_real.dim() == 2:
+        fail(NAME, f"w_real must be 2-D (N, K), got shape {tuple(w_real.shape)}")
     N, K = w_real.shape
     wb = _blocked(w_real.float(), block_n, block_k)
     amax = wb.abs().amax(dim=(1, 3))
@@ -390,7 +400,8 @@ def quantize_activations(x, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's act_quant: per row and per `group` consecutive K elements, scale = amax / 448
     (1 where amax is 0), x_fp8 = (x / scale) in e4m3. Returns x_fp8 (x.shape, contiguous)
     and x_scale (*x.shape[:-1], ceil(K/group)) float32."""
-    check(isinstance(group, int) and group >= 1, NAME, f"group must be a positive int, got {group!r}")
+    if not (isinstance(group, int) and group >= 1):
+        fail(NAME, f"group must be a positive int, got {group!r}")
     K = x.shape[-1]
     G = _cdiv(K, group)
     xf = x.float()

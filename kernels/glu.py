@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, as_rows, check, check_float
+from ._common import fail, cdiv, as_rows, check, check_float
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -34,10 +34,12 @@ def _glu_fwd(G, U, Y, n_rows, n_cols, stride_g, stride_u, stride_y,
 
 
 def check_inputs(gate, up, activation: str = "silu") -> None:
-    check(activation in ACTIVATIONS, NAME, f"activation {activation!r} is not one of {ACTIVATIONS}")
+    if activation not in ACTIVATIONS:
+        fail(NAME, f"activation {activation!r} is not one of {ACTIVATIONS}")
     check_float(NAME, "gate", gate)
     check_float(NAME, "up", up)
-    check(gate.shape == up.shape, NAME, f"gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    if not gate.shape == up.shape:
+        fail(NAME, f"gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     check(gate.device == up.device, NAME, "gate and up are on different devices")
     check(gate.dim() >= 1, NAME, "gate must have at least one dimension")
 

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
-from ._common import cdiv, retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
+from ._common import fail, cdiv, retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -187,25 +187,31 @@ def check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_
                               ("ckv", ckv, 3, "(batch, cache_len, latent_dim)"),
                               ("kpe", kpe, 3, "(batch, cache_len, rope_dim)")):
         check_float(NAME, name, t)
-        check(t.dim() == nd, NAME, f"{name} must be {nd}-D {dims}, got shape {tuple(t.shape)}")
-    check(q_latent.dtype == q_pe.dtype == ckv.dtype == kpe.dtype, NAME,
-          f"q_latent, q_pe, ckv, kpe dtypes differ: {q_latent.dtype}, {q_pe.dtype}, {ckv.dtype}, {kpe.dtype}")
+        if not t.dim() == nd:
+            fail(NAME, f"{name} must be {nd}-D {dims}, got shape {tuple(t.shape)}")
+    if not q_latent.dtype == q_pe.dtype == ckv.dtype == kpe.dtype:
+        fail(NAME, f"q_latent, q_pe, ckv, kpe dtypes differ: {q_latent.dtype}, {q_pe.dtype}, {ckv.dtype}, {kpe.dtype}")
     check(q_latent.device == q_pe.device == ckv.device == kpe.device, NAME,
           "q_latent, q_pe, ckv, kpe are on different devices")
     B, H, Sq, R = q_latent.shape
     P = q_pe.shape[3]
-    check(tuple(q_pe.shape[:3]) == (B, H, Sq), NAME,
-          f"q_pe shape {tuple(q_pe.shape)} does not match q_latent shape {tuple(q_latent.shape)} "
+    if not tuple(q_pe.shape[:3]) == (B, H, Sq):
+        fail(NAME, f"q_pe shape {tuple(q_pe.shape)} does not match q_latent shape {tuple(q_latent.shape)} "
           "in batch/heads/seq")
-    check(ckv.shape[0] == B and kpe.shape[0] == B, NAME,
-          f"batch sizes differ: q_latent {B}, ckv {ckv.shape[0]}, kpe {kpe.shape[0]}")
+    if not (ckv.shape[0] == B and kpe.shape[0] == B):
+        fail(NAME, f"batch sizes differ: q_latent {B}, ckv {ckv.shape[0]}, kpe {kpe.shape[0]}")
     T = ckv.shape[1]
-    check(kpe.shape[1] == T, NAME, f"ckv and kpe cache lengths differ: {T} vs {kpe.shape[1]}")
+    if not kpe.shape[1] == T:
+        fail(NAME, f"ckv and kpe cache lengths differ: {T} vs {kpe.shape[1]}")
     check(T > 0, NAME, "the latent cache is empty (cache_len 0)")
-    check(ckv.shape[2] == R, NAME, f"q_latent and ckv latent dims differ: {R} vs {ckv.shape[2]}")
-    check(kpe.shape[2] == P, NAME, f"q_pe and kpe rope dims differ: {P} vs {kpe.shape[2]}")
-    check(0 < R <= MAX_LATENT_DIM, NAME, f"latent dim must be in 1..{MAX_LATENT_DIM}, got {R}")
-    check(0 < P <= MAX_ROPE_DIM, NAME, f"rope dim must be in 1..{MAX_ROPE_DIM}, got {P}")
+    if not ckv.shape[2] == R:
+        fail(NAME, f"q_latent and ckv latent dims differ: {R} vs {ckv.shape[2]}")
+    if not kpe.shape[2] == P:
+        fail(NAME, f"q_pe and kpe rope dims differ: {P} vs {kpe.shape[2]}")
+    if not 0 < R <= MAX_LATENT_DIM:
+        fail(NAME, f"latent dim must be in 1..{MAX_LATENT_DIM}, got {R}")
+    if not 0 < P <= MAX_ROPE_DIM:
+        fail(NAME, f"rope dim must be in 1..{MAX_ROPE_DIM}, got {P}")
     if indices is not None:
         check_indices(NAME, indices, B, Sq, q_latent.device)
     check_mask(NAME, mask, (B, H, Sq, T), q_latent.device)
@@ -214,8 +220,8 @@ def check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_
 
 def _block(config: dict, key: str) -> int:
     val = config[key]
-    check(isinstance(val, int) and val >= 16 and val & (val - 1) == 0, NAME,
-          f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
+    if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
+        fail(NAME, f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
     return val
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot
-from ._common import cdiv, retries_smaller, check, check_float, gpu_capability, interpreted
+from ._common import fail, cdiv, retries_smaller, check, check_float, gpu_capability, interpreted
 
 NAME = "moe"
 
@@ -174,8 +174,10 @@ def _is_pow2_at_least(v, lo: int) -> bool:
 
 
 def _shape_ok(name: str, t, expected: tuple) -> None:
-    check(isinstance(t, torch.Tensor), NAME, f"{name} must be a tensor, got {type(t).__name__}")
-    check(tuple(t.shape) == expected, NAME, f"{name} has shape {tuple(t.shape)}, expected {expected}")
+    if not isinstance(t, torch.Tensor):
+        fail(NAME, f"{name} must be a tensor, got {type(t).__name__}")
+    if not tuple(t.shape) == expected:
+        fail(NAME, f"{name} has shape {tuple(t.shape)}, expected {expected}")
 
 
 def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
@@ -184,61 +186,73 @@ def check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s
 
     Expert ids are not range-checked here (that needs a host sync): see the module docstring."""
     check_float(NAME, "x", x)
-    check(x.dim() == 2, NAME, f"x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    if not x.dim() == 2:
+        fail(NAME, f"x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
     T, H = x.shape
     check(H >= 1, NAME, "x has hidden size 0")
-    check(isinstance(topk_ids, torch.Tensor), NAME, f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
-    check(topk_ids.dim() == 2, NAME, f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}")
-    check(topk_ids.dtype in (torch.int32, torch.int64), NAME,
-          f"topk_ids has dtype {topk_ids.dtype}; expert ids must be int32 or int64")
-    check(topk_ids.shape[0] == T, NAME, f"topk_ids has {topk_ids.shape[0]} rows, expected {T} (x's tokens)")
+    if not isinstance(topk_ids, torch.Tensor):
+        fail(NAME, f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+    if not topk_ids.dim() == 2:
+        fail(NAME, f"topk_ids must be 2-D (tokens, top_k), got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        fail(NAME, f"topk_ids has dtype {topk_ids.dtype}; expert ids must be int32 or int64")
+    if not topk_ids.shape[0] == T:
+        fail(NAME, f"topk_ids has {topk_ids.shape[0]} rows, expected {T} (x's tokens)")
     K = topk_ids.shape[1]
-    check(isinstance(topk_weights, torch.Tensor), NAME,
-          f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
-    check(tuple(topk_weights.shape) == tuple(topk_ids.shape), NAME,
-          f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)} (topk_ids' shape)")
-    check(topk_weights.dtype in (torch.float32, x.dtype), NAME,
-          f"topk_weights has dtype {topk_weights.dtype}; expected float32 or x's dtype {x.dtype}")
+    if not isinstance(topk_weights, torch.Tensor):
+        fail(NAME, f"topk_weights must be a tensor, got {type(topk_weights).__name__}")
+    if not tuple(topk_weights.shape) == tuple(topk_ids.shape):
+        fail(NAME, f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_ids.shape)} (topk_ids' shape)")
+    if topk_weights.dtype not in (torch.float32, x.dtype):
+        fail(NAME, f"topk_weights has dtype {topk_weights.dtype}; expected float32 or x's dtype {x.dtype}")
 
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        check(isinstance(w, torch.Tensor), NAME, f"{name} must be a tensor, got {type(w).__name__}")
-        check(w.dim() == 3, NAME, f"{name} must be 3-D (experts, out, in), got shape {tuple(w.shape)}")
+        if not isinstance(w, torch.Tensor):
+            fail(NAME, f"{name} must be a tensor, got {type(w).__name__}")
+        if not w.dim() == 3:
+            fail(NAME, f"{name} must be 3-D (experts, out, in), got shape {tuple(w.shape)}")
     E, I = w_gate.shape[0], w_gate.shape[1]
-    check(E >= 1 and I >= 1, NAME, f"w_gate has shape {tuple(w_gate.shape)}: needs at least one expert and I >= 1")
-    check(w_up.shape[0] == E and w_down.shape[0] == E, NAME,
-          f"expert counts differ: w_gate {E}, w_up {w_up.shape[0]}, w_down {w_down.shape[0]}")
+    if not (E >= 1 and I >= 1):
+        fail(NAME, f"w_gate has shape {tuple(w_gate.shape)}: needs at least one expert and I >= 1")
+    if not (w_up.shape[0] == E and w_down.shape[0] == E):
+        fail(NAME, f"expert counts differ: w_gate {E}, w_up {w_up.shape[0]}, w_down {w_down.shape[0]}")
     _shape_ok("w_gate", w_gate, (E, I, H))
     _shape_ok("w_up", w_up, (E, I, H))
     _shape_ok("w_down", w_down, (E, H, I))
     # K may exceed E: an expert-parallel rank holds E of the experts and drops the others' ids
-    check(K >= 1, NAME, f"top_k = {K} (topk_ids' second dim) must be at least 1")
+    if not K >= 1:
+        fail(NAME, f"top_k = {K} (topk_ids' second dim) must be at least 1")
 
     dtypes = {w_gate.dtype, w_up.dtype, w_down.dtype}
-    check(len(dtypes) == 1, NAME,
-          f"w_gate, w_up, w_down dtypes differ: {w_gate.dtype}, {w_up.dtype}, {w_down.dtype}")
+    if not len(dtypes) == 1:
+        fail(NAME, f"w_gate, w_up, w_down dtypes differ: {w_gate.dtype}, {w_up.dtype}, {w_down.dtype}")
     wdt = w_gate.dtype
     fp8 = wdt in FP8_DTYPES
-    check(fp8 or wdt == x.dtype, NAME,
-          f"weight dtype {wdt} unsupported with x {x.dtype}: weights must be x's dtype or FP8 "
+    if not (fp8 or wdt == x.dtype):
+        fail(NAME, f"weight dtype {wdt} unsupported with x {x.dtype}: weights must be x's dtype or FP8 "
           f"(supported FP8 formats: {', '.join(str(d) for d in FP8_DTYPES)})")
-    check(_is_pow2_at_least(block_n, 16) and _is_pow2_at_least(block_k, 16), NAME,
-          f"block_n/block_k must be powers of two >= 16, got {block_n!r}/{block_k!r}")
+    if not (_is_pow2_at_least(block_n, 16) and _is_pow2_at_least(block_k, 16)):
+        fail(NAME, f"block_n/block_k must be powers of two >= 16, got {block_n!r}/{block_k!r}")
     scales = (("s_gate", s_gate, I, H), ("s_up", s_up, I, H), ("s_down", s_down, H, I))
     given = [s is not None for _, s, _, _ in scales]
     if not fp8:
-        check(not any(given), NAME,
-              f"block scales given for {wdt} weights; scales are only for FP8 weights")
+        if not not any(given):
+            fail(NAME, f"block scales given for {wdt} weights; scales are only for FP8 weights")
     else:
         missing = [n for (n, _, _, _), g in zip(scales, given) if not g]
-        check(not missing, NAME, f"FP8 weights need all of s_gate, s_up, s_down; missing {', '.join(missing)}")
+        if not not missing:
+            fail(NAME, f"FP8 weights need all of s_gate, s_up, s_down; missing {', '.join(missing)}")
         for name, s, n_dim, k_dim in scales:
-            check(isinstance(s, torch.Tensor), NAME, f"{name} must be a tensor, got {type(s).__name__}")
-            check(s.dtype == torch.float32, NAME, f"{name} has dtype {s.dtype}; block scales must be float32")
+            if not isinstance(s, torch.Tensor):
+                fail(NAME, f"{name} must be a tensor, got {type(s).__name__}")
+            if not s.dtype == torch.float32:
+                fail(NAME, f"{name} has dtype {s.dtype}; block scales must be float32")
             _shape_ok(name, s, (E, _cdiv(n_dim, block_n), _cdiv(k_dim, block_k)))
     dev = x.device
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate", w_gate),
                     ("w_up", w_up), ("w_down", w_down), ("s_gate", s_gate), ("s_up", s_up), ("s_down", s_down)):
-        check(t is None or t.device == dev, NAME, f"{name} is on {t.device if t is not None else None}, x on {dev}")
+        if not (t is None or t.device == dev):
+            fail(NAME, f"{name} is on {t.device if t is not None else None}, x on {dev}")
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -292,7 +306,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tuple[int, int, int]:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for key, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk)):
-        check(_is_pow2_at_least(v, 16), NAME, f"config {key} must be a power of two >= 16 (tl.dot), got {v!r}")
+        if not _is_pow2_at_least(v, 16):
+            fail(NAME, f"config {key} must be a power of two >= 16 (tl.dot), got {v!r}")
     if fp8:  # one scale per tile: tiles must not straddle scale blocks (all powers of two)
         bn, bk = min(bn, block_n), min(bk, block_k)
     return bm, bn, bk
@@ -311,7 +326,8 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     cap = gpu_capability(x.device)
     if fp8 and cap is not None:
         # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89: compiling would fail there
-        check(cap >= (8, 9), NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
+        if not cap >= (8, 9):
+            fail(NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
               f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
     if T == 0:
         return torch.empty((0, H), dtype=x.dtype, device=x.device)

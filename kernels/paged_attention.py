@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import cdiv, retries_smaller, check, check_float, interpreted, next_pow2
+from ._common import fail, cdiv, retries_smaller, check_float, interpreted, next_pow2
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
@@ -136,32 +136,38 @@ def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: in
                  window: int = 0, softcap: float = 0.0) -> None:
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         check_float(NAME, name, t)
-        check(t.dim() == 3, NAME, f"{name} must be 3-D (tokens or rows, heads, head_dim), got {tuple(t.shape)}")
-    check(q.dtype == k_pool.dtype == v_pool.dtype, NAME,
-          f"q, k_pool, v_pool dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+        if not t.dim() == 3:
+            fail(NAME, f"{name} must be 3-D (tokens or rows, heads, head_dim), got {tuple(t.shape)}")
+    if not q.dtype == k_pool.dtype == v_pool.dtype:
+        fail(NAME, f"q, k_pool, v_pool dtypes differ: {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_pool.shape[1]
-    check(k_pool.shape[2] == D, NAME, f"q and k head dims differ: {D} vs {k_pool.shape[2]}")
-    check(v_pool.shape[1] == k_pool.shape[1], NAME,
-          f"v_pool {tuple(v_pool.shape)} and k_pool {tuple(k_pool.shape)} have different kv heads")
-    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    check(0 < D <= MAX_HEAD_DIM and 0 < v_pool.shape[2] <= MAX_HEAD_DIM, NAME,
-          f"head dims must be in 1..{MAX_HEAD_DIM}, got {D} and {v_pool.shape[2]}")
+    if not k_pool.shape[2] == D:
+        fail(NAME, f"q and k head dims differ: {D} vs {k_pool.shape[2]}")
+    if not v_pool.shape[1] == k_pool.shape[1]:
+        fail(NAME, f"v_pool {tuple(v_pool.shape)} and k_pool {tuple(k_pool.shape)} have different kv heads")
+    if not (Hkv > 0 and Hq % Hkv == 0):
+        fail(NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if not (0 < D <= MAX_HEAD_DIM and 0 < v_pool.shape[2] <= MAX_HEAD_DIM):
+        fail(NAME, f"head dims must be in 1..{MAX_HEAD_DIM}, got {D} and {v_pool.shape[2]}")
     for name, t in (("key_index", key_index), ("cu_q", cu_q), ("cu_k", cu_k)):
         if t is None and name == "key_index":
             continue
-        check(isinstance(t, torch.Tensor) and t.dtype in INDEX_DTYPES and t.dim() == 1, NAME,
-              f"{name} must be a 1-D int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        check(t.device == q.device, NAME, f"{name} is on {t.device}, q on {q.device}")
-    check(cu_q.shape == cu_k.shape and cu_q.numel() >= 1, NAME,
-          f"cu_q and cu_k must both have n_requests + 1 entries, got {cu_q.numel()} and {cu_k.numel()}")
-    check(isinstance(max_q, int) and isinstance(max_k, int) and max_q >= 0 and max_k >= 0, NAME,
-          f"max_q and max_k must be non-negative ints, got {max_q!r}, {max_k!r}")
-    check(isinstance(scale, (int, float)) and math.isfinite(scale), NAME, f"scale must be finite, got {scale!r}")
-    check(isinstance(window, int) and not isinstance(window, bool) and window >= 0, NAME,
-          f"window must be an int >= 0 (0: none), got {window!r}")
-    check(isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
-          and softcap >= 0, NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+        if (isinstance(t, torch.Tensor) and t.dtype not in INDEX_DTYPES and t.dim() == 1):
+            fail(NAME, f"{name} must be a 1-D int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if not t.device == q.device:
+            fail(NAME, f"{name} is on {t.device}, q on {q.device}")
+    if not (cu_q.shape == cu_k.shape and cu_q.numel() >= 1):
+        fail(NAME, f"cu_q and cu_k must both have n_requests + 1 entries, got {cu_q.numel()} and {cu_k.numel()}")
+    if not (isinstance(max_q, int) and isinstance(max_k, int) and max_q >= 0 and max_k >= 0):
+        fail(NAME, f"max_q and max_k must be non-negative ints, got {max_q!r}, {max_k!r}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        fail(NAME, f"scale must be finite, got {scale!r}")
+    if not (isinstance(window, int) and not isinstance(window, bool) and window >= 0):
+        fail(NAME, f"window must be an int >= 0 (0: none), got {window!r}")
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+          and softcap >= 0):
+        fail(NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
 
 
 def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, check, check_float, next_pow2
+from ._common import fail, as_rows, check, check_float, next_pow2
 
 NAME = "rmsnorm"
 
@@ -43,17 +43,22 @@ def _rmsnorm_fwd(
 def check_inputs(x, weight, eps, weight_offset, out_dtype, residual=None) -> None:
     check_float(NAME, "x", x)
     check_float(NAME, "weight", weight)
-    check(weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1], NAME,
-          f"weight shape {tuple(weight.shape)} must be ({x.shape[-1] if x.dim() else '?'},) for x of shape {tuple(x.shape)}")
+    if not (weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1]):
+        fail(NAME, f"weight shape {tuple(weight.shape)} must be ({x.shape[-1] if x.dim() else '?'},) for x of shape {tuple(x.shape)}")
     check(weight.device == x.device, NAME, "x and weight are on different devices")
     if residual is not None:
         check_float(NAME, "residual", residual)
-        check(residual.shape == x.shape, NAME, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        check(residual.dtype == x.dtype, NAME, f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+        if not residual.shape == x.shape:
+            fail(NAME, f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if not residual.dtype == x.dtype:
+            fail(NAME, f"residual dtype {residual.dtype} != x dtype {x.dtype}")
         check(residual.device == x.device, NAME, "x and residual are on different devices")
-    check(isinstance(eps, (int, float)) and eps >= 0, NAME, f"eps must be a number >= 0, got {eps!r}")
-    check(isinstance(weight_offset, (int, float)), NAME, f"weight_offset must be a number, got {weight_offset!r}")
-    check(out_dtype in (torch.float32, torch.bfloat16, torch.float16), NAME, f"out_dtype {out_dtype} unsupported")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        fail(NAME, f"eps must be a number >= 0, got {eps!r}")
+    if not isinstance(weight_offset, (int, float)):
+        fail(NAME, f"weight_offset must be a number, got {weight_offset!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        fail(NAME, f"out_dtype {out_dtype} unsupported")
 
 
 def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *, config: dict):
@@ -72,7 +77,8 @@ def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, 
     n_rows, n_cols = x2.shape
     if n_rows > 0:
         block_n = next_pow2(n_cols)
-        check(block_n <= config.get("MAX_BLOCK_N", 65536), NAME, f"rows of {n_cols} elements exceed the kernel's block")
+        if not block_n <= config.get("MAX_BLOCK_N", 65536):
+            fail(NAME, f"rows of {n_cols} elements exceed the kernel's block")
         _rmsnorm_fwd[(n_rows,)](
             x2, r2, weight, y2, h2,
             x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),

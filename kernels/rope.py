@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import broadcasts_to, cdiv, check, check_float, next_pow2
+from ._common import fail, broadcasts_to, cdiv, check_float, next_pow2
 
 NAME = "rope"
 
@@ -47,11 +47,15 @@ def _rope_fwd(
 def check_inputs(x, cos, sin) -> None:
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         check_float(NAME, name, t)
-        check(t.device == x.device, NAME, f"{name} is on a different device than x")
-    check(1 <= x.dim() <= 4, NAME, f"x must have 1 to 4 dims, got shape {tuple(x.shape)}")
-    check(x.shape[-1] % 2 == 0, NAME, f"rotary dim {x.shape[-1]} must be even")
+        if not t.device == x.device:
+            fail(NAME, f"{name} is on a different device than x")
+    if not 1 <= x.dim() <= 4:
+        fail(NAME, f"x must have 1 to 4 dims, got shape {tuple(x.shape)}")
+    if not x.shape[-1] % 2 == 0:
+        fail(NAME, f"rotary dim {x.shape[-1]} must be even")
     for name, t in (("cos", cos), ("sin", sin)):
-        check(broadcasts_to(t.shape, x.shape), NAME, f"{name} shape {tuple(t.shape)} does not broadcast to x shape {tuple(x.shape)}")
+        if not broadcasts_to(t.shape, x.shape):
+            fail(NAME, f"{name} shape {tuple(t.shape)} does not broadcast to x shape {tuple(x.shape)}")
 
 
 def out_dtype(x, cos, sin) -> torch.dtype:

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
 from . import _common
-from ._common import broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
+from ._common import fail, broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -133,14 +133,14 @@ def _sparse_attention_fwd(
 
 def check_indices(kernel: str, indices, B: int, Sq: int, device) -> None:
     """indices must be an integer (B, Sq, TOPK) tensor with TOPK >= 1 (shared with mla_decode)."""
-    check(isinstance(indices, torch.Tensor), kernel,
-          f"indices must be a tensor, got {type(indices).__name__}")
-    check(indices.dtype in INDEX_DTYPES, kernel,
-          f"indices has dtype {indices.dtype}; supported: int32, int64 (the top-k positions)")
-    check(indices.dim() == 3, kernel,
-          f"indices must be 3-D (batch, seq_q, topk), got shape {tuple(indices.shape)}")
-    check(tuple(indices.shape[:2]) == (B, Sq), kernel,
-          f"indices shape {tuple(indices.shape)} does not match (batch, seq_q) = {(B, Sq)}")
+    if not isinstance(indices, torch.Tensor):
+        fail(kernel, f"indices must be a tensor, got {type(indices).__name__}")
+    if indices.dtype not in INDEX_DTYPES:
+        fail(kernel, f"indices has dtype {indices.dtype}; supported: int32, int64 (the top-k positions)")
+    if not indices.dim() == 3:
+        fail(kernel, f"indices must be 3-D (batch, seq_q, topk), got shape {tuple(indices.shape)}")
+    if not tuple(indices.shape[:2]) == (B, Sq):
+        fail(kernel, f"indices shape {tuple(indices.shape)} does not match (batch, seq_q) = {(B, Sq)}")
     check(indices.shape[2] >= 1, kernel, "indices has topk = 0; at least one slot is needed (pad with -1)")
     check(indices.device == device, kernel, "indices is on a different device than q")
 
@@ -149,40 +149,49 @@ def check_mask(kernel: str, mask, full_shape: tuple, device) -> None:
     if mask is None:
         return
     check(isinstance(mask, torch.Tensor), kernel, "mask must be a tensor or None")
-    check(mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES, kernel,
-          f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
+    if not (mask.dtype == torch.bool or mask.dtype in FLOAT_DTYPES):
+        fail(kernel, f"mask dtype {mask.dtype} unsupported: use bool (True keeps) or a float additive mask")
     check(mask.device == device, kernel, "mask is on a different device than q")
-    check(mask.dim() <= 4, kernel, f"mask must have at most 4 dims, got {mask.dim()}")
-    check(broadcasts_to(mask.shape, full_shape), kernel, f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(full_shape)}")
+    if not mask.dim() <= 4:
+        fail(kernel, f"mask must have at most 4 dims, got {mask.dim()}")
+    if not broadcasts_to(mask.shape, full_shape):
+        fail(kernel, f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(full_shape)}")
 
 
 def check_scalars(kernel: str, scale, causal, causal_offset, zero_empty_rows) -> None:
-    check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale), kernel,
-          f"scale must be a finite number, got {scale!r}")
-    check(isinstance(causal, bool), kernel, f"causal must be a bool, got {causal!r}")
-    check(isinstance(causal_offset, int) and not isinstance(causal_offset, bool), kernel,
-          f"causal_offset must be an int, got {causal_offset!r}")
-    check(isinstance(zero_empty_rows, bool), kernel, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+        fail(kernel, f"scale must be a finite number, got {scale!r}")
+    if not isinstance(causal, bool):
+        fail(kernel, f"causal must be a bool, got {causal!r}")
+    if not (isinstance(causal_offset, int) and not isinstance(causal_offset, bool)):
+        fail(kernel, f"causal_offset must be an int, got {causal_offset!r}")
+    if not isinstance(zero_empty_rows, bool):
+        fail(kernel, f"zero_empty_rows must be a bool, got {zero_empty_rows!r}")
 
 
 def check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(NAME, name, t)
-        check(t.dim() == 4, NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    check(q.dtype == k.dtype == v.dtype, NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if not t.dim() == 4:
+            fail(NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        fail(NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
     B, Hq, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
-    check(Bk == B and v.shape[0] == B, NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
-    check(Dk == D, NAME, f"q and k head dims differ: {D} vs {Dk}")
-    check(tuple(v.shape[1:3]) == (Hkv, Sk), NAME,
-          f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
-    check(Hkv > 0 and Hq % Hkv == 0, NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    if not (Bk == B and v.shape[0] == B):
+        fail(NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    if not Dk == D:
+        fail(NAME, f"q and k head dims differ: {D} vs {Dk}")
+    if not tuple(v.shape[1:3]) == (Hkv, Sk):
+        fail(NAME, f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
+    if not (Hkv > 0 and Hq % Hkv == 0):
+        fail(NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
     check(Sk > 0, NAME, "k and v have no keys (seq 0)")
     Dv = v.shape[3]
-    check(0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM, NAME,
-          f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
+    if not (0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM):
+        fail(NAME, f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")
     check_indices(NAME, indices, B, Sq, q.device)
     check_mask(NAME, mask, (B, Hq, Sq, Sk), q.device)
     check_scalars(NAME, scale, causal, causal_offset, zero_empty_rows)
@@ -190,8 +199,8 @@ def check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empt
 
 def _block(config: dict, key: str) -> int:
     val = config[key]
-    check(isinstance(val, int) and val >= 16 and val & (val - 1) == 0, NAME,
-          f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
+    if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
+        fail(NAME, f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
     return val
 
 

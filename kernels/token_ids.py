@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check
+from ._common import cdiv, fail
 
 NAME = "token_ids"
 ID_DTYPES = (torch.int64, torch.int32)
@@ -32,9 +32,12 @@ def _check_ids(IDS, SAFE, FIRST_BAD, n, vocab, BLOCK: tl.constexpr):
 
 
 def check_inputs(ids: torch.Tensor, vocab: int) -> None:
-    check(isinstance(ids, torch.Tensor), NAME, f"ids must be a tensor, got {type(ids).__name__}")
-    check(ids.dtype in ID_DTYPES, NAME, f"ids have dtype {ids.dtype}; supported: int64, int32")
-    check(isinstance(vocab, int) and vocab >= 1, NAME, f"vocab must be a positive int, got {vocab!r}")
+    if not isinstance(ids, torch.Tensor):
+        fail(NAME, f"ids must be a tensor, got {type(ids).__name__}")
+    if ids.dtype not in ID_DTYPES:
+        fail(NAME, f"ids have dtype {ids.dtype}; supported: int64, int32")
+    if not (isinstance(vocab, int) and vocab >= 1):
+        fail(NAME, f"vocab must be a positive int, got {vocab!r}")
 
 
 def launch(ids: torch.Tensor, vocab: int, *, config: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -330,6 +330,72 @@ def _bad_token_ids(dev, f):
     return {"ours": ours, "reference": ref, "torch": ref, "dtype": torch.int64}
 
 
+def _gpu_arch(dev) -> str:
+    if dev != "cuda":
+        return "sm_89"  # a dry run checks the Ada rows' candidates under the interpreter
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _autotune_candidates(dev, f):
+    """Every AUTOTUNE candidate of this GPU's attention rows (bf16 d64/d128/d256 and float32
+    d128/d256) and fp8_gemm rows (decode and prefill M), each run once as a fixed config
+    against the reference: triton.autotune would pick any of them."""
+    from metainfer.kernels import fp8_gemm as G
+    from metainfer.lowering.kernel_configs import config_for_arch
+
+    arch, outs, refs = _gpu_arch(dev), [], []
+    for d, dt in ((64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32),
+                  (256, torch.float32)):
+        row = config_for_arch("attention", arch, head_dim=d, dtype=dt)
+        S = _n(512, f, 24)
+        q, k, v = (torch.randn(1, 2, S, d, device=dev, dtype=dt) for _ in range(3))
+        for alt in ({}, *row.get("AUTOTUNE", ())):
+            cfg = {k2: v2 for k2, v2 in {**row, **alt}.items() if k2 != "AUTOTUNE"}
+            outs.append(lambda q=q, k=k, v=v, cfg=cfg, d=d: K.attention.launch(q, k, v, None, d ** -0.5, True, 0,
+                                                                               config=cfg))
+            refs.append(lambda q=q, k=k, v=v, d=d: K.attention.reference(q, k, v, None, d ** -0.5, True, 0))
+    gpu = config_for_arch("fp8_gemm", arch)
+    for m in (4, 48, _n(512, f, 16)):
+        row, _ = G._row_for_m(gpu, m)
+        x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(512, 1024, device=dev) / 8).to(torch.float8_e4m3fn)
+        sc = torch.rand(4, 8, device=dev) + 0.5
+        for alt in ({}, *row.get("AUTOTUNE", ())):
+            cfg = {**{k2: v2 for k2, v2 in {**row, **alt}.items() if k2 != "AUTOTUNE"}, "SMALL_M": ()}
+            outs.append(lambda x=x, w=w, sc=sc, cfg=cfg: G.launch(x, w, sc, None, 128, 128, False, config=cfg))
+            refs.append(lambda x=x, w=w, sc=sc: G.reference(x, w, sc, None, 128, 128, False))
+
+    cache: list = []
+
+    def expected():  # each candidate is compared relative to its own problem's magnitude
+        if not cache:
+            cache.extend(r().float() for r in refs)
+        return cache
+
+    def ours():
+        return torch.cat([(o().float() / max(1.0, e.abs().max().item())).flatten() for o, e in zip(outs, expected())])
+
+    def ref():
+        return torch.cat([(e / max(1.0, e.abs().max().item())).flatten() for e in expected()])
+    return {"ours": ours, "reference": ref, "torch": ref, "dtype": torch.bfloat16, "once": True}
+
+
+def _two_ranks(dev, f):
+    """Two gloo ranks on this machine (the one GPU shared): functional collectives on its
+    tensors, eager and compiled, against the sums each rank computes itself."""
+    from metainfer import multirank
+    from metainfer.testing import functional_collectives_check
+
+    def run():
+        bad = [b for rank in multirank.run(functional_collectives_check, 2, args=(dev,), timeout_s=120) for b in rank]
+        if bad:
+            raise AssertionError("; ".join(bad[:3]))
+        return torch.zeros(1)
+    return {"ours": run, "reference": lambda: torch.zeros(1), "torch": lambda: torch.zeros(1),
+            "dtype": torch.float32, "once": True}
+
+
 def _end_to_end(dev, f):
     """A tiny Hugging Face Llama optimized for this GPU: generate() and generate_batch() (paged
     attention over the engine's pool) give eager's greedy tokens."""
@@ -387,6 +453,8 @@ CHECKS = [
     Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla_wide),
     Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled),
     Check("dispatch", "attention, rmsnorm, swiglu via torch.ops.metainfer", _dispatch),
+    Check("autotune", "every attention / fp8_gemm candidate of this arch, fixed", _autotune_candidates),
+    Check("collectives", "2 gloo ranks: functional collectives, eager and compiled", _two_ranks),
     Check("end_to_end", "tiny Llama: generate (dynamic, static/CUDA graphs, prompt lookup) + generate_batch = eager",
           _end_to_end),
 ]

@@ -191,3 +191,30 @@ def host_reads(allow: tuple[str, ...] = ()):
 
 
 _UNSET = object()
+
+
+def functional_collectives_check(rank: int, world_size: int, device: str) -> list[str]:
+    """Run on each rank of a job (metainfer.multirank.run): all_reduce, all_gather and
+    reduce_scatter through torch's functional collectives on `device` tensors, eager and inside
+    a torch.compile graph (where metainfer's collective passes meet them); the mismatches found,
+    each as text (empty when all agree with the sums computed locally)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    group = dist.group.WORLD
+    x = torch.arange(12, dtype=torch.float32, device=device) * (rank + 1)
+    total = torch.arange(12, dtype=torch.float32, device=device) * sum(range(1, world_size + 1))
+    gathered = torch.cat([torch.arange(12, dtype=torch.float32, device=device) * (r + 1) for r in range(world_size)])
+
+    def ops(t):
+        return (fc.all_reduce(t, "sum", group), fc.all_gather_tensor(t, 0, group),
+                fc.reduce_scatter_tensor(t, "sum", 0, group))
+
+    expected = (total, gathered, total.chunk(world_size)[rank])
+    bad = []
+    for how, fn in (("eager", ops), ("compiled", torch.compile(ops, backend="aot_eager", fullgraph=True))):
+        for name, got, want in zip(("all_reduce", "all_gather", "reduce_scatter"), fn(x), expected):
+            got = fc.wait_tensor(got) if hasattr(fc, "wait_tensor") else got
+            if got.device.type != torch.device(device).type or not torch.equal(got, want):
+                bad.append(f"rank {rank} {how} {name}: got {got.tolist()}, want {want.tolist()}")
+    return bad

@@ -5,8 +5,10 @@ without a device. Each kernel's launcher is called on small CPU tensors with the
 config of the architecture (lowering/kernel_configs.py); the launch is recorded instead of run,
 and the recorded arguments (types, constexprs, num_warps / num_stages) are compiled for each
 architecture. A kernel fails when Triton or ptxas rejects it, or when it needs more shared
-memory per block than the architecture has; a launcher that refuses an architecture with a
-KernelInputError (FP8 weights before sm_89) is reported as refused, not failed.
+memory per block than the architecture has, or more registers per block (registers per thread
+from the cubin's .nv.info, allocated in units of 8, x its threads) than the 64 K a block may
+use; a launcher that refuses an architecture with a KernelInputError (FP8 weights before sm_89)
+is reported as refused, not failed.
 
     TRITON_INTERPRET=0 python -m metainfer.lowering.aot [--arch sm_80 sm_89 sm_90] [--json FILE] [--autotune]
 
@@ -34,6 +36,8 @@ from typing import Any, Callable
 # cc and the most shared memory one block may use (bytes, opt-in), per the CUDA C Programming
 # Guide's "Technical Specifications per Compute Capability": A100 163 KB, Ada 99 KB, H100 227 KB.
 ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 * 1024)}
+# 32-bit registers one block may use on all three (the same table): 64 K
+REGISTERS_PER_BLOCK = 64 * 1024
 
 KERNEL_MODULES = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
                   "sparse_attention", "mla_decode")
@@ -58,6 +62,8 @@ class Result:
     shared_bytes: int | None = None
     seconds: float = 0.0
     detail: str = ""
+    registers: int | None = None  # per thread, from the cubin
+    stack_bytes: int | None = None  # per-thread stack frame (spilled registers and local arrays)
 
 
 def launched_kernels() -> dict[str, Any]:
@@ -135,6 +141,49 @@ def compile_launch(launch: Launch, arch: str):
 
     source, target, options = _runtime_specialisation(launch, arch)
     return triton.compile(source, target=target, options=options.__dict__)
+
+
+def cubin_resources(cubin: bytes, kernel: str) -> tuple[int | None, int | None]:
+    """(registers per thread, stack frame bytes per thread) of `kernel` in a cubin: ptxas writes
+    them to the ELF's .nv.info section as EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11)
+    records of (symbol index, value). The driver reads the same records when it loads the cubin."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+
+    def name(h):
+        start = names_at + h[0]
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    sections = {name(h): (h[4], h[5], h[6]) for h in headers}  # offset, size, link
+    # the kernel's symbol index, for the records that name it
+    symtab = next((v for k, v in sections.items() if k == ".symtab"), None)
+    index = None
+    if symtab is not None:
+        strtab_off = headers[symtab[2]][4]
+        for i in range(symtab[1] // 24):
+            st_name, = struct.unpack_from("<I", cubin, symtab[0] + 24 * i)
+            start = strtab_off + st_name
+            if cubin[start:cubin.index(b"\0", start)].decode() == kernel:
+                index = i
+    found = {}
+    offset, size, _ = sections.get(".nv.info", (0, 0, 0))
+    i = offset
+    while i + 4 <= offset + size:
+        fmt, attr = cubin[i], cubin[i + 1]
+        if fmt == 4:  # a record with a payload: 2-byte size, then the payload
+            length, = struct.unpack_from("<H", cubin, i + 2)
+            if attr in (0x2F, 0x11) and length == 8:
+                sym, value = struct.unpack_from("<II", cubin, i + 4)
+                if index is None or sym == index:
+                    found[attr] = value
+            i += 4 + length
+        else:
+            i += 4
+    return found.get(0x2F), found.get(0x11)
 
 
 def _key(launch: Launch, arch: str) -> str:
@@ -360,9 +409,16 @@ def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Re
                                detail=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}")
                 else:
                     shared = int(kernel.metadata.shared)
-                    ok = shared <= shared_limit
-                    r = Result(launch.kernel, label, arch, "ok" if ok else "failed", shared, time.perf_counter() - t0,
-                               "" if ok else f"needs {shared} B of shared memory per block, {arch} has {shared_limit}")
+                    regs, stack = cubin_resources(kernel.asm["cubin"], kernel.metadata.name)
+                    threads = kernel.metadata.num_warps * 32
+                    problems = []
+                    if shared > shared_limit:
+                        problems.append(f"needs {shared} B of shared memory per block, {arch} has {shared_limit}")
+                    if regs is not None and -(-regs // 8) * 8 * threads > REGISTERS_PER_BLOCK:
+                        problems.append(f"needs {regs} registers x {threads} threads, a block may have "
+                                        f"{REGISTERS_PER_BLOCK}")
+                    r = Result(launch.kernel, label, arch, "failed" if problems else "ok", shared,
+                               time.perf_counter() - t0, "; ".join(problems), regs, stack)
                 results.append(r)
                 if progress:
                     progress(r)
@@ -373,10 +429,11 @@ def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Re
 
 
 def table(results: list[Result]) -> str:
-    rows = [("kernel", "case", "arch", "status", "shared KiB", "s", "detail")]
+    rows = [("kernel", "case", "arch", "status", "shared KiB", "regs", "stack B", "s", "detail")]
     for r in results:
         rows.append((r.kernel, r.case, r.arch, r.status, "-" if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}",
-                     f"{r.seconds:.1f}", r.detail))
+                     "-" if r.registers is None else str(r.registers),
+                     "-" if r.stack_bytes is None else str(r.stack_bytes), f"{r.seconds:.1f}", r.detail))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows)
 

@@ -62,11 +62,17 @@ _ATTENTION = {
                          AUTOTUNE=(dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                                    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
                                    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4)))),
+              # FP32: float32 heads' own blocks (lowering/aot.py, registers read from the cubin:
+              # fp32 d128 on this row's 64 x 64 tiles spills 720 B a thread, 128 x 32 736 B,
+              # 64 x 32 and 64 x 16 none)
               (256, dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, **_DECODE_SPLIT,
                          AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)))),
-              (512, dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, **_DECODE_SPLIT,
-                         AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=1),)))],
+                                   dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
+                         FP32=dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2,
+                                   AUTOTUNE=(dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=2),)))),
+              # float32 heads of 192/256: 64 x 32 tiles spill 952 B a thread, 64 x 16 none
+              (512, dict(BLOCK_M=64, BLOCK_N=16, num_warps=8, num_stages=2, **_DECODE_SPLIT,
+                         AUTOTUNE=(dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2),)))],
 }
 _ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
 
@@ -149,6 +155,9 @@ def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.d
         # the GPU rows reach 512 (a float32 head of 256, attention's largest); the interpreter
         # has one row for every width
         cfg = dict(next((c for limit, c in rows if width <= limit), rows[-1][1]))
+        fp32 = cfg.pop("FP32", None)
+        if fp32 is not None and dtype == torch.float32:
+            cfg.update(fp32)
     elif kernel in _TILED:
         cfg = dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])
     else:

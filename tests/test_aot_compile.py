@@ -36,6 +36,12 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
                          ("fp8_gemm", "decode m=4, bf16 activations, split-K"),
                          ("fp8_gemm", "decode m=24, fp8 activations, split-K")]:
         assert ("_flash._combine_splits" if kernel != "fp8_gemm" else "fp8_gemm._sum_splits", case) in cases
+    # registers per thread from each cubin: within ptxas's 255, more for a wide accumulator than
+    # for a copy, and within a block's 64 K (else the launch is a failure above)
+    regs = {(r["kernel"], r["case"], r["arch"]): r["registers"] for r in results if r["status"] == "ok"}
+    assert all(1 <= v <= 255 for v in regs.values()), regs
+    assert regs[("attention._attention_fwd", "bf16 d256 causal", "sm_90")] > \
+        regs[("rmsnorm._rmsnorm_fwd", "bf16 4096 + residual", "sm_90")]
     # the one refusal is the launcher's own: FP8 experts before sm_89
     assert [(r["kernel"], r["arch"]) for r in results if r["status"] == "refused"] == [("moe", "sm_80")]
 
@@ -61,3 +67,4 @@ def test_a_kernel_no_case_launches_fails(monkeypatch):
     results = aot.run(archs=("sm_90",), only={"fp8_gemm"})
     assert {(r.kernel, r.status) for r in results} == {("fp8_gemm._fp8_gemm_fwd", "failed"),
                                                       ("fp8_gemm._sum_splits", "failed")}
+

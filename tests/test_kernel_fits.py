@@ -109,3 +109,13 @@ def test_a_launch_nothing_fits_raises_triton_s_error(interpret, monkeypatch):
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(OutOfResources), pytest.warns(UserWarning):
         A.launch(q, q, q, None, 0.25, True, 0, False, config=config_for_arch("attention", "interpreter"))
+
+
+def test_a_row_s_float32_blocks_apply_to_float32_heads_only():
+    """sm_90's d256-wide row: 2-byte heads of 256 take its own blocks, float32 heads of 128 (the
+    same width) its FP32 blocks, which do not spill (lowering/aot.py reads the cubin)."""
+    bf16 = config_for_arch("attention", "sm_90", head_dim=256, dtype=torch.bfloat16)
+    fp32 = config_for_arch("attention", "sm_90", head_dim=128, dtype=torch.float32)
+    assert "FP32" not in bf16 and "FP32" not in fp32
+    assert (bf16["BLOCK_M"], bf16["BLOCK_N"]) == (64, 64) and (fp32["BLOCK_M"], fp32["BLOCK_N"]) == (64, 32)
+    assert fp32["SPLIT_MIN"] == bf16["SPLIT_MIN"]  # the rest of the row is shared

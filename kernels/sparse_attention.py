@@ -350,17 +350,15 @@ def fix_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool,
     at `unselected_fill`: those rare rows (padding) are recomputed densely, O(Sk) each."""
     B, Hq, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < Sk)
-    gidx = idx.clamp(0, Sk - 1)
     empty = empty_rows(q, k, indices, mask, causal, causal_offset)  # (B, Hq, Sq)
     if not bool(empty.any()):  # the CPU path: reading it back costs nothing
         return out
     b, h, i = empty.nonzero(as_tuple=True)
     group = Hq // Hkv
     s = torch.einsum("nd,ntd->nt", q[b, h, i].float(), k[b, h // group].float()) * scale
-    sel = torch.zeros(len(b), Sk, dtype=torch.bool, device=q.device)
-    sel.scatter_(1, gidx[b, i], valid[b, i])
+    # (a scatter of the clamped indices would let a -1 slot clamped to key 0 overwrite key 0's
+    # own selection: the set is built with the invalid slots sent to a spare column)
+    sel = index_keep_mask(indices, Sk)[b, i]
     m = torch.full((len(b), Sk), unselected_fill, device=q.device)
     if mask is not None:
         full = mask.expand(B, Hq, Sq, Sk)[b, h, i]

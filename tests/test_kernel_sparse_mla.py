@@ -163,6 +163,22 @@ def test_unselected_rows_on_the_device_match_the_torch_path(p, fill, interpret):
     check(got, want, p["dtype"])
 
 
+def test_a_padding_slot_does_not_unselect_key_0(interpret):
+    """Hand case (found by the test above): indices [-1, 0, -1] select key 0 only, whose mask
+    drops it (float32 min); key 1 is unselected and carries the fill -1e9, far above float32
+    min, so the row is exactly key 1's value. The torch path once scattered the -1 slots,
+    clamped to 0, over key 0's selection and averaged both keys."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 16, generator=g)
+    k, v = torch.randn(1, 1, 2, 16, generator=g), torch.randn(1, 1, 2, 8, generator=g)
+    idx = torch.tensor([[[-1, 0, -1]]], dtype=torch.int32)
+    mask = torch.tensor([[[[torch.finfo(torch.float32).min, 0.5]]]])
+    out = SA.reference(q, k, v, idx, mask, 0.25, False, 0, False)
+    for fixed in (SA.fix_unselected_rows(out, q, k, v, idx, mask, 0.25, False, 0, -1e9),
+                  SA.launch_unselected_rows(out.clone(), q, k, v, idx, mask, 0.25, False, 0, -1e9)):
+        torch.testing.assert_close(fixed[0, 0, 0], v[0, 0, 1])
+
+
 def test_unselected_rows_read_nothing_back(interpret):
     """The device path decides which rows are empty without a host read (the torch path reads
     `empty.any()` and `nonzero` back, which on a GPU is a sync per layer)."""
@@ -178,7 +194,8 @@ def test_unselected_rows_read_nothing_back(interpret):
             return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 1, 10, 16, generator=g), torch.randn(1, 1, 10, 16, generator=g)
+    q = torch.randn(1, 2, 6, 16, generator=g)
+    k, v = torch.randn(1, 1, 10, 16, generator=g), torch.randn(1, 1, 10, 16, generator=g)
     idx = torch.randint(0, 10, (1, 6, 4), generator=g)
     mask = torch.ones(1, 1, 6, 10, dtype=torch.bool)
     mask[..., 0, :] = False  # a padding row

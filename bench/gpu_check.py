@@ -227,17 +227,17 @@ def _sparse(dev, f):
             "torch": lambda: K.sparse_attention.reference(*args), "dtype": dt}
 
 
-def _mla(batch: int, cache: int):
-    return lambda dev, f: _mla_build(dev, f, batch, cache)
+def _mla(batch: int, cache: int, latent: int = 512):
+    return lambda dev, f: _mla_build(dev, f, batch, cache, latent)
 
 
-def _mla_build(dev, f, batch, cache):
+def _mla_build(dev, f, batch, cache, R):
     dt = torch.bfloat16
     B, H, T = _n(batch, f), 16, _n(cache, f, 16)
-    ql, qp = torch.randn(B, H, 1, 512, device=dev, dtype=dt), torch.randn(B, H, 1, 64, device=dev, dtype=dt)
-    ckv, kpe = torch.randn(B, T, 512, device=dev, dtype=dt), torch.randn(B, T, 64, device=dev, dtype=dt)
-    cfg = config_for("mla_decode", ql.device)
-    args = (ql, qp, ckv, kpe, None, None, 576 ** -0.5, True, T - 1)
+    ql, qp = torch.randn(B, H, 1, R, device=dev, dtype=dt), torch.randn(B, H, 1, 64, device=dev, dtype=dt)
+    ckv, kpe = torch.randn(B, T, R, device=dev, dtype=dt), torch.randn(B, T, 64, device=dev, dtype=dt)
+    cfg = config_for("mla_decode", ql.device)  # a latent above 512 takes the row's WIDE_R blocks
+    args = (ql, qp, ckv, kpe, None, None, (R + 64) ** -0.5, True, T - 1)
     return {"ours": lambda: K.mla_decode.launch(*args, config=cfg), "reference": lambda: K.mla_decode.reference(*args),
             "torch": lambda: K.mla_decode.reference(*args), "dtype": dt}
 
@@ -321,17 +321,6 @@ def _wide_fp32_attention(dev, f):
     args = (q, k, v, None, 256 ** -0.5, True, 0)
     return {"ours": lambda: K.attention.launch(*args, config=cfg), "reference": lambda: K.attention.reference(*args),
             "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), "dtype": torch.float32}
-
-
-def _mla_wide(dev, f):
-    """A latent of 1024 (MLA's WIDE_R blocks)."""
-    dt, B, H, T = torch.bfloat16, _n(8, f), 16, _n(2048, f, 16)
-    ql, qp = torch.randn(B, H, 1, 1024, device=dev, dtype=dt), torch.randn(B, H, 1, 64, device=dev, dtype=dt)
-    ckv, kpe = torch.randn(B, T, 1024, device=dev, dtype=dt), torch.randn(B, T, 64, device=dev, dtype=dt)
-    cfg = config_for("mla_decode", ql.device)
-    args = (ql, qp, ckv, kpe, None, None, 1088 ** -0.5, True, T - 1)
-    return {"ours": lambda: K.mla_decode.launch(*args, config=cfg), "reference": lambda: K.mla_decode.reference(*args),
-            "torch": lambda: K.mla_decode.reference(*args), "dtype": dt}
 
 
 def _sparse_filled(dev, f):
@@ -502,7 +491,7 @@ CHECKS = [
     Check("token_ids", "64 x 4096 ids", _token_ids),
     Check("token_ids", "64 x 4096 ids, two out of range", _bad_token_ids),
     Check("attention", "fp32 d256 prefill 1x4x512 (wide-head row)", _wide_fp32_attention),
-    Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla_wide),
+    Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla(8, 2048, latent=1024)),
     Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled),
     Check("dispatch", "10 ops via torch.ops.metainfer", _dispatch),
     Check("autotune", "every attention / fp8_gemm candidate of this arch, fixed", _autotune_candidates),

@@ -62,6 +62,29 @@ def check_float(kernel: str, name: str, t: torch.Tensor) -> None:
         fail(kernel, f"{name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
 
 
+def check_qkv(kernel: str, q, k, v) -> tuple[int, int, int, int, int, int]:
+    """Attention's q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv): float, one dtype and
+    device, grouped heads; (B, Hq, Sq, D, Hkv, Sk)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(kernel, name, t)
+        if t.dim() != 4:
+            fail(kernel, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        fail(kernel, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check(q.device == k.device == v.device, kernel, "q, k, v are on different devices")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    if not (Bk == B and v.shape[0] == B):
+        fail(kernel, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
+    if Dk != D:
+        fail(kernel, f"q and k head dims differ: {D} vs {Dk}")
+    if tuple(v.shape[1:3]) != (Hkv, Sk):
+        fail(kernel, f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
+    if not (Hkv > 0 and Hq % Hkv == 0):
+        fail(kernel, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    return B, Hq, Sq, D, Hkv, Sk
+
+
 def as_rows(kernel: str, name: str, t: torch.Tensor) -> torch.Tensor:
     """View `t` (..., N) as (rows, N) without copying; its last dim must have stride 1."""
     if not t.dim() >= 1:

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, broadcasts_to, cdiv, check, check_float, check_grid, fail,
+from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       interpreted, next_pow2, retries_smaller, split_count, tune_candidates)
 
 NAME = "attention"
@@ -147,23 +147,7 @@ def _attention_fwd(
 def check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False, softcap=0.0,
                  window=0) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(NAME, name, t)
-        if not t.dim() == 4:
-            fail(NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        fail(NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
-    B, Hq, Sq, D = q.shape
-    Bk, Hkv, Sk, Dk = k.shape
-    if not (Bk == B and v.shape[0] == B):
-        fail(NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
-    if not Dk == D:
-        fail(NAME, f"q and k head dims differ: {D} vs {Dk}")
-    if not tuple(v.shape[1:3]) == (Hkv, Sk):
-        fail(NAME, f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
-    if not (Hkv > 0 and Hq % Hkv == 0):
-        fail(NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    B, Hq, Sq, D, Hkv, Sk = check_qkv(NAME, q, k, v)
     Dv = v.shape[3]
     if not (0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM):
         fail(NAME, f"head dims must be in 1..{MAX_HEAD_DIM}, got q/k {D}, v {Dv}")

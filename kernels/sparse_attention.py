@@ -36,7 +36,8 @@ import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
 from . import _common
-from ._common import fail, broadcasts_to, cdiv, retries_smaller, FLOAT_DTYPES, check, check_float, check_grid, interpreted, next_pow2
+from ._common import (FLOAT_DTYPES, broadcasts_to, cdiv, check, check_grid, check_qkv, fail, interpreted, next_pow2,
+                      retries_smaller)
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -171,23 +172,7 @@ def check_scalars(kernel: str, scale, causal, causal_offset, zero_empty_rows) ->
 
 def check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows=False) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(NAME, name, t)
-        if not t.dim() == 4:
-            fail(NAME, f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        fail(NAME, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    check(q.device == k.device == v.device, NAME, "q, k, v are on different devices")
-    B, Hq, Sq, D = q.shape
-    Bk, Hkv, Sk, Dk = k.shape
-    if not (Bk == B and v.shape[0] == B):
-        fail(NAME, f"batch sizes differ: q {B}, k {Bk}, v {v.shape[0]}")
-    if not Dk == D:
-        fail(NAME, f"q and k head dims differ: {D} vs {Dk}")
-    if not tuple(v.shape[1:3]) == (Hkv, Sk):
-        fail(NAME, f"v shape {tuple(v.shape)} does not match k shape {tuple(k.shape)} in heads/seq")
-    if not (Hkv > 0 and Hq % Hkv == 0):
-        fail(NAME, f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    B, Hq, Sq, D, Hkv, Sk = check_qkv(NAME, q, k, v)
     check(Sk > 0, NAME, "k and v have no keys (seq 0)")
     Dv = v.shape[3]
     if not (0 < D <= MAX_HEAD_DIM and 0 < Dv <= MAX_HEAD_DIM):

@@ -341,9 +341,9 @@ def fix_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bool,
     b, h, i = empty.nonzero(as_tuple=True)
     group = Hq // Hkv
     s = torch.einsum("nd,ntd->nt", q[b, h, i].float(), k[b, h // group].float()) * scale
-    # (a scatter of the clamped indices would let a -1 slot clamped to key 0 overwrite key 0's
-    # own selection: the set is built with the invalid slots sent to a spare column)
-    sel = index_keep_mask(indices, Sk)[b, i]
+    # the empty rows' selected sets only (the invalid slots go to a spare column: a -1 clamped to
+    # key 0 would otherwise overwrite key 0's own selection)
+    sel = index_keep_mask(indices[b, i][None], Sk)[0]
     m = torch.full((len(b), Sk), unselected_fill, device=q.device)
     if mask is not None:
         full = mask.expand(B, Hq, Sq, Sk)[b, h, i]

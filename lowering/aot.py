@@ -134,12 +134,12 @@ def _runtime_specialisation(launch: Launch, arch: str):
     return ASTSource(launch.fn, signature, constexprs, attrs), target, options
 
 
-def compile_launch(launch: Launch, arch: str):
-    """triton.compile of one recorded launch for `arch`, specialised as the runtime would: the
-    CompiledKernel."""
+def compile_launch(launch: Launch, arch: str, specialised=None):
+    """triton.compile of one recorded launch for `arch`, specialised as the runtime would
+    (`specialised`: `_runtime_specialisation`'s result, if already made): the CompiledKernel."""
     import triton
 
-    source, target, options = _runtime_specialisation(launch, arch)
+    source, target, options = specialised or _runtime_specialisation(launch, arch)
     return triton.compile(source, target=target, options=options.__dict__)
 
 
@@ -186,8 +186,8 @@ def cubin_resources(cubin: bytes, kernel: str) -> tuple[int | None, int | None]:
     return found.get(0x2F), found.get(0x11)
 
 
-def _key(launch: Launch, arch: str) -> str:
-    source, _, options = _runtime_specialisation(launch, arch)
+def _key(launch: Launch, arch: str, specialised) -> str:
+    source, _, options = specialised
     return repr((arch, launch.kernel, source.signature, source.constants, source.attrs, options.__dict__))
 
 
@@ -402,8 +402,9 @@ def run(archs=tuple(ARCHS), only: set[str] | None = None, progress: Callable[[Re
                 label = f"{case} {_blocks(launch)}" if case.startswith("autotune") else case
                 t0 = time.perf_counter()
                 try:
-                    key = _key(launch, arch)
-                    kernel = compiled.get(key) or compiled.setdefault(key, compile_launch(launch, arch))
+                    specialised = _runtime_specialisation(launch, arch)
+                    key = _key(launch, arch, specialised)
+                    kernel = compiled.get(key) or compiled.setdefault(key, compile_launch(launch, arch, specialised))
                 except Exception as e:  # noqa: BLE001 - every compiler error is this tool's finding
                     r = Result(launch.kernel, label, arch, "failed", seconds=time.perf_counter() - t0,
                                detail=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}")

@@ -16,18 +16,13 @@ import torch
 
 from metainfer import capture
 from metainfer import targets as _targets
+from metainfer import inputs as _inputs
 from metainfer.inputs import ModelInputs, check_devices
 from metainfer.lowering.backend import LOWERINGS, MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
 from metainfer.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a CUDA graph (a serving engine
-    capturing its step): nothing may wait on the device, or record events, until it ends."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _static_cache(kwargs) -> bool:
@@ -188,7 +183,7 @@ class OptimizedModel:
             packed = step is not None or (symbolic is not None and symbolic(kwargs, tokens))
             fn = self._compiled_packed if packed else self._compiled
             shapes = contextlib.nullcontext()
-            captured = capturing()
+            captured = _inputs.capturing()
             if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
                 if captured and self._serving_fn is not None:
                     fn = self._serving_fn  # the engine captures the path its warm-up call just ran

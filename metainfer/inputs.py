@@ -69,6 +69,12 @@ def request_error(tokens, vocab: int | None, what: str = "prompt") -> str | None
     return None
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (a serving engine
+    capturing its step): nothing may wait on the device, or record events, until it ends."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class TokenGuard:
     """Range checks of one model's token ids; holds the pinned host word a GPU check reports
     through (allocating pinned memory per call costs more than the check)."""
@@ -91,7 +97,7 @@ class TokenGuard:
                     raise out_of_range(ids, vocab, what)
             return ids, _nothing
         safe, first = _safe_copy(ids, vocab)
-        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        if ids.is_cuda and capturing():
             # inside a CUDA graph's capture (the engine's; its ids were checked when admitted):
             # the graph keeps the safe copy, nothing is read back
             return safe, _nothing

@@ -136,7 +136,7 @@ def tiny_hf_model(arch: str = "Llama", attn: str = "eager", layers: int = 2, see
 
 _PROJECT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
                       for d in ("metainfer", "kernels", "lowering", "passes", "models"))
-_READS = {torch.Tensor: ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")}
+_TENSOR_READS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
 @contextlib.contextmanager
@@ -176,7 +176,7 @@ def host_reads(allow: tuple[str, ...] = ()):
             return real(*args, **kwargs)
         return read
 
-    patched = [(torch.Tensor, a) for a in _READS[torch.Tensor]] + [(torch, "nonzero"), (torch.cuda, "synchronize")]
+    patched = [(torch.Tensor, a) for a in _TENSOR_READS] + [(torch, "nonzero"), (torch.cuda, "synchronize")]
     saved = [(owner, attr, owner.__dict__.get(attr, _UNSET)) for owner, attr in patched]
     try:
         for owner, attr in patched:

@@ -9,7 +9,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer import api, targets
+from metainfer import api, inputs, targets
 from metainfer.lowering import backend as B
 from metainfer.testing import tiny_hf_model
 
@@ -73,7 +73,7 @@ def test_a_captured_serving_step_keeps_its_warm_up_path_and_is_not_timed(monkeyp
         calls["n"] += 1
         return calls["n"] % 2 == 0
 
-    monkeypatch.setattr(api, "capturing", capturing)
+    monkeypatch.setattr(inputs, "capturing", capturing)
     timed = []
     real_start = api.CallTimes.start
     monkeypatch.setattr(api.CallTimes, "start", lambda self: timed.append(1) or real_start(self))

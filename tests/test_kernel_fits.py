@@ -4,6 +4,7 @@ when Triton refuses a launch for want of resources (which the interpreter never 
 refusal is injected here)."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from metainfer.kernels import _common
@@ -119,3 +120,14 @@ def test_a_row_s_float32_blocks_apply_to_float32_heads_only():
     assert "FP32" not in bf16 and "FP32" not in fp32
     assert (bf16["BLOCK_M"], bf16["BLOCK_N"]) == (64, 64) and (fp32["BLOCK_M"], fp32["BLOCK_N"]) == (64, 32)
     assert fp32["SPLIT_MIN"] == bf16["SPLIT_MIN"]  # the rest of the row is shared
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 3), max_size=5), target=st.lists(st.integers(1, 3), max_size=4))
+def test_broadcasts_to_agrees_with_torch(shape, target):
+    """The launchers' cheap shape check against torch.broadcast_shapes (what it replaced)."""
+    try:
+        expected = torch.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except RuntimeError:
+        expected = False
+    assert _common.broadcasts_to(tuple(shape), tuple(target)) == expected

@@ -28,7 +28,7 @@ of a shape runs triton.autotune over the config row's candidates, untimed (`run`
 kernel once before timing it). Then GEMM TFLOP/s, memory bandwidth and launch overhead
 (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
 project's pins. Budget: under 8 minutes on an H100-class GPU, an estimate from counting, not a
-run: ~70 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end check's Inductor
+run: ~72 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end check's Inductor
 compiles (~1-2 min), ~40 do_bench timings of ~0.1-0.3 s, calibration ~30 s.
 """
 
@@ -210,6 +210,24 @@ def _moe(dev, f):
     return {"ours": lambda: K.moe.launch(*args, config=cfg), "reference": lambda: K.moe.reference(*args),
             "torch": lambda: K.moe.reference(*args),  # the eager loop over experts
             "dtype": dt}
+
+
+def _moe_align(dev, f):
+    """The routing sort at the bound between its two paths (ALIGN_MAX_PAIRS pairs): the one-program
+    kernel against align_by_expert's torch ops, which it must equal exactly; the timing says
+    whether the bound is right (both sides are timed as one step's routing would run them)."""
+    E, top = 256, 8
+    cfg = config_for("moe", torch.device(dev))
+    T = max(1, _n(cfg["ALIGN_MAX_PAIRS"] // top, f))
+    ids = torch.stack([torch.randperm(E, device=dev)[:top] for _ in range(T)]).to(torch.int32)
+    bm = cfg["BLOCK_M"]
+
+    def both(sorted_pairs, experts):  # one tensor to compare: pair ids, then tile experts
+        return torch.cat([sorted_pairs.long(), experts.long()])
+
+    return {"ours": lambda: both(*K.moe.launch_align(ids, E, bm)),
+            "reference": lambda: both(*K.moe.align_by_expert(ids, E, bm)[:2]),
+            "torch": lambda: both(*K.moe.align_by_expert(ids, E, bm)[:2]), "dtype": torch.int64}
 
 
 def _sparse(dev, f):
@@ -485,6 +503,7 @@ CHECKS = [
     Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),
     Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
     Check("moe", "256 experts top-8, 2048 tokens", _moe),
+    Check("moe", "routing sort at ALIGN_MAX_PAIRS: one program vs torch ops", _moe_align),
     Check("sparse_attention", "top-2048 of 8192, 64 heads", _sparse),
     Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096)),
     Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192)),

@@ -3,8 +3,9 @@ stubbed out: what a decode step pays in Python before any kernel runs.
 
     python bench/launch_overhead.py [--calls 400] [--repeats 5] [--json]
 
-Each op is called through its custom-op dispatch (`torch.ops.metainfer.*`; the paged kernel
-through its launcher, its op reads the engine's pool) on decode-sized CPU tensors, with the
+Each op is called through its dispatch (`torch.ops.metainfer.*`; the paged kernel through its
+launcher, its op reads the engine's pool) on decode-sized CPU tensors; the attention ops see a
+context one key longer at each call (16 lengths in turn), as decode steps do, with the
 launchers deciding as on an sm_89 GPU (lowering/aot.py's recording: every `kernel[grid](...)`
 is dropped, so what is timed is dispatch, input checks, config lookup, grid and workspace
 set-up). Median over `--repeats` runs of `--calls` calls, in microseconds per call; the
@@ -18,6 +19,7 @@ a CPU's figures are an upper bound of a GPU host's (faster cores), not a GPU mea
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,8 +46,9 @@ def cases() -> dict:
         return torch.randn(*shape, generator=g).to(dtype)
 
     mi = torch.ops.metainfer
-    B, H, Hkv, D, S = 4, 32, 8, 128, 1024
-    q, k, v = randn(B, H, 1, D), randn(B, Hkv, S, D), randn(B, Hkv, S, D)
+    B, H, Hkv, D, S, STEPS = 4, 32, 8, 128, 1024, 16
+    q = randn(B, H, 1, D)
+    k, v = randn(B, Hkv, S + STEPS, D), randn(B, Hkv, S + STEPS, D)
     x, w = randn(B, 4096), randn(4096)
     cos, sin = randn(1, 1, 1, D), randn(1, 1, 1, D)
     wq, sq = randn(4096, 4096, dtype=e4m3), torch.rand(32, 32, generator=g)
@@ -53,32 +56,53 @@ def cases() -> dict:
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(torch.int32)
     we, se = randn(E, I, 1024, dtype=e4m3), torch.rand(E, I // 128, 1024 // 128, generator=g)
     wd, sd = randn(E, 1024, I, dtype=e4m3), torch.rand(E, 1024 // 128, I // 128, generator=g)
-    xm = randn(B, 1024)
+    xm, tw = randn(B, 1024), torch.ones(B, K)
     R, P, T = 512, 64, 2048
-    ql, qp, ckv, kpe = randn(B, 16, 1, R), randn(B, 16, 1, P), randn(B, T, R), randn(B, T, P)
+    ql, qp, ckv, kpe = randn(B, 16, 1, R), randn(B, 16, 1, P), randn(B, T + STEPS, R), randn(B, T + STEPS, P)
     idx = torch.randint(0, S, (B, 1, 64), generator=g, dtype=torch.int32)
     pool_k, pool_v = randn(8192, Hkv, D), randn(8192, Hkv, D)
-    lens = [700, 90, 1500, 333]
     cu_q = torch.arange(B + 1, dtype=torch.int32)
-    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    key_index = torch.randperm(8192, generator=g)[:sum(lens)].to(torch.int32)
     qp_flat = randn(B, H, D)
     paged_cfg = config_for("paged_attention", torch.device("cpu"))
+
+    def paged_step(step):
+        lens = [700 + step, 90 + step, 1500 + step, 333 + step]
+        cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        key_index = torch.randperm(8192, generator=g)[:sum(lens)].to(torch.int32)
+        return lambda: paged_attention.launch(qp_flat, pool_k, pool_v, key_index, cu_q, cu_k, 1, max(lens),
+                                              D ** -0.5, config=paged_cfg)
+
+    def decode(step_call):
+        """A decode step's call: the context grows by one key each call (STEPS distinct lengths
+        in turn, their views built beforehand), so nothing keyed on the context length is
+        reused, as in a real decode."""
+        return rotating([step_call(s) for s in range(STEPS)])
+
+    def ctx(t, n):  # the first n keys of a cache buffer, as a view
+        return t[:, :, :n] if t.dim() == 4 else t[:, :n]
+
     return {
-        "attention (decode, 1024 keys)": lambda: mi.attention(q, k, v, None, D ** -0.5, True, S - 1, False),
+        "attention (decode, 1024 keys)": decode(lambda s: (lambda kk=ctx(k, S + s), vv=ctx(v, S + s): mi.attention(
+            q, kk, vv, None, D ** -0.5, True, S + s - 1, False))),
         "rmsnorm": lambda: mi.rmsnorm(x, w, 1e-6, 0.0, bf16),
         "add_rmsnorm": lambda: mi.add_rmsnorm(x, x, w, 1e-6, 0.0, bf16),
         "swiglu": lambda: mi.swiglu(x, x),
         "rope": lambda: mi.rope(q, cos, sin),
         "fp8_linear (M=4)": lambda: mi.fp8_linear(x, wq, sq, None, 128, 128, False),
-        "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, torch.ones(B, K), we, we, wd, se, se, sd,
+        "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, tw, we, we, wd, se, se, sd,
                                                                       128, 128),
-        "sparse_attention (top-64)": lambda: mi.sparse_attention(q, k, v, idx, None, D ** -0.5, True, S - 1, False,
-                                                                 float("-inf")),
-        "mla_decode (2048 latents)": lambda: mi.mla_decode(ql, qp, ckv, kpe, None, None, 0.04, True, T - 1, False),
-        "paged_attention launch (4 requests)": lambda: paged_attention.launch(
-            qp_flat, pool_k, pool_v, key_index, cu_q, cu_k, 1, max(lens), D ** -0.5, config=paged_cfg),
+        "sparse_attention (top-64)": decode(lambda s: (lambda kk=ctx(k, S + s), vv=ctx(v, S + s): mi.sparse_attention(
+            q, kk, vv, idx, None, D ** -0.5, True, S + s - 1, False, float("-inf")))),
+        "mla_decode (2048 latents)": decode(lambda s: (lambda c=ctx(ckv, T + s), p=ctx(kpe, T + s): mi.mla_decode(
+            ql, qp, c, p, None, None, 0.04, True, T + s - 1, False))),
+        "paged_attention launch (4 requests)": decode(paged_step),
     }
+
+
+def rotating(calls: list):
+    """One callable that makes the calls in turn."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def measure(call, calls: int, repeats: int, launches: list) -> float:

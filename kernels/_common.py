@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -100,6 +101,24 @@ def as_rows(kernel: str, name: str, t: torch.Tensor) -> torch.Tensor:
                                f"{tuple(t.stride())} cannot be viewed as rows; call .contiguous() first")
 
 
+def rows_of(kernel: str, name: str, t: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of `t` (..., N) seen as (rows, N), as `as_rows` sees it; a contiguous
+    tensor is answered from its size without building the view (~0.8 us a launch)."""
+    n = t.shape[-1]
+    if n and t.is_contiguous():
+        return t.numel() // n, n
+    rows = as_rows(kernel, name, t)
+    return rows.shape[0], rows.stride(0)
+
+
+def strides_as(t: torch.Tensor, shape) -> tuple[int, ...]:
+    """`t.expand(shape).stride()` without building the view: t's strides aligned to `shape` from
+    the right, 0 on the dims t lacks or broadcasts (the caller has checked `broadcasts_to`)."""
+    size, stride = t.shape, t.stride()
+    pad = len(shape) - len(size)
+    return (0,) * pad + tuple(0 if n == 1 and m != 1 else s for n, m, s in zip(size, shape[pad:], stride))
+
+
 def interpreted() -> bool:
     """Whether the kernels were built for Triton's interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,27 +139,44 @@ def gpu_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def split_count(config: dict, programs: int, length: int, align: int) -> tuple[int, int]:
+def split_count(config: Mapping, programs: int, length: int, align: int) -> tuple[int, int]:
     """(splits, length per split) for cutting a long axis (attention's keys, a GEMM's K) of a
-    launch of `programs` programs over several programs each.
+    launch of `programs` programs over several programs each; see SplitRule."""
+    return SplitRule(config, programs, align)(length)
+
+
+class SplitRule:
+    """How a launch of `programs` programs cuts a long axis, decided once per launch signature
+    and applied per call to the axis' length (a decode context grows every step).
 
     Decode launches few programs (batch x heads, N / BLOCK_N tiles) over long axes: with fewer
     programs than the GPU has SMs (the config's SM_COUNT) the axis is cut into splits of at
     least SPLIT_MIN elements, enough to give every SM a program, at most MAX_SPLITS. `SPLITS`
     in the config forces a count (tests). The length per split is a multiple of `align` (the
     launch's block along the axis), so splits start on block boundaries."""
-    length = max(length, 1)
-    forced = config.get("SPLITS")
-    if forced is not None:
-        splits = max(1, int(forced))
-    elif programs >= config.get("SM_COUNT", 0):
-        splits = 1
-    else:
-        splits = min(config.get("MAX_SPLITS", 16), length // config.get("SPLIT_MIN", 256),
-                     cdiv(config["SM_COUNT"], programs))
-    splits = max(1, min(splits, cdiv(length, align)))
-    per_split = cdiv(cdiv(length, splits), align) * align
-    return cdiv(length, per_split), per_split
+
+    __slots__ = ("forced", "most", "split_min", "align")
+
+    def __init__(self, config: Mapping, programs: int, align: int):
+        forced = config.get("SPLITS")
+        self.forced = None if forced is None else max(1, int(forced))
+        sms = config.get("SM_COUNT", 0)
+        # without a forced count: at most this many splits (1 when the programs fill the GPU)
+        self.most = 1 if programs >= sms else min(config.get("MAX_SPLITS", 16), cdiv(sms, programs))
+        self.split_min, self.align = config.get("SPLIT_MIN", 256), align
+
+    def __call__(self, length: int) -> tuple[int, int]:
+        length = max(length, 1)
+        if self.forced is not None:
+            splits = self.forced
+        elif self.most == 1:
+            return 1, length
+        else:
+            splits = min(self.most, length // self.split_min)
+        align = self.align
+        splits = max(1, min(splits, -(-length // align)))
+        per_split = -(-(-(-length // splits)) // align) * align
+        return -(-length // per_split), per_split
 
 
 # ---- triton.autotune, on a CUDA GPU only ---------------------------------------------------------
@@ -188,6 +224,44 @@ def autotuned(kernel, candidates: list[dict], key: tuple[str, ...], bucket):
         bench = {} if AUTOTUNE_BENCH is None else {"do_bench": AUTOTUNE_BENCH}
         tuner = _tuners[memo] = triton.autotune(configs=configs, key=list(key), **bench)(kernel)
     return tuner
+
+
+# ---- per-signature launch decisions ----------------------------------------------------------------
+
+class LaunchPlans:
+    """A launcher's decisions (blocks, splits, grid, constexprs, tuner) kept per signature: the
+    sizes they depend on, flags and dtypes, and the config they were made from. A decode step
+    launches the same signatures every step, so it pays for the decisions once. Sizes that move
+    every step (a growing context) stay out of the key: launchers decide those per call.
+
+    An entry holds its config and is used only for that same object (lowering's configs are
+    shared, read-only); the key also carries the state that changes decisions between calls
+    (the AOT recording's architecture, the autotune benchmarker). Bounded: a launcher that meets
+    more than `limit` signatures (prefill lengths) starts over."""
+
+    def __init__(self, limit: int = 1024):
+        self._plans: dict = {}
+        self._limit = limit
+
+    def get(self, key: tuple, config, build):
+        key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH)
+        try:
+            hit = self._plans.get(key)
+        except TypeError:  # an unhashable argument: the build's checks say what is wrong with it
+            return build()
+        if hit is not None and hit[0] is config:
+            return hit[1]
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+        plan = build()
+        self._plans[key] = (config, plan)
+        return plan
+
+
+def signature(*args) -> tuple:
+    """A launch's arguments as a key: each tensor's shape, strides, dtype and device, other values
+    as they are. For launchers whose decode-step arguments repeat exactly every step."""
+    return tuple([(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args])
 
 
 # ---- out of resources: a smaller config instead of an error ------------------------------------

@@ -55,12 +55,11 @@ def normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS: tl.constexpr):
 
 # ---- key splits (flash-decoding) -----------------------------------------------------------------
 
-def split_workspace(splits: int, rows: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 buffers for `splits` partial results of `rows` output rows: (accumulators
-    (splits, rows, dim), row max and sum of exp (splits, rows, 2)). Every program writes its
-    part, empty splits included, so nothing needs zeroing."""
-    return (torch.empty((splits, rows, dim), dtype=torch.float32, device=device),
-            torch.empty((splits, rows, 2), dtype=torch.float32, device=device))
+def split_workspace(splits: int, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat float32 buffers on `like`'s device for `splits` partial results of `rows` output rows:
+    accumulators (split, row, dim) and row max and sum of exp (split, row, 2), in that order.
+    Every program writes its part, empty splits included, so nothing needs zeroing."""
+    return like.new_empty(splits * rows * dim, dtype=torch.float32), like.new_empty(splits * rows * 2, dtype=torch.float32)
 
 
 @triton.jit
@@ -95,14 +94,15 @@ def _combine_splits(
     tl.store(O + r[:, None] * stride_o + d[None, :], out.to(O.dtype.element_ty), mask=ok)
 
 
-def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, zero_empty_rows: bool) -> None:
-    """Write into `out` (rows, dim), unit stride in dim, the merge of the partial results in
-    `split_workspace`'s buffers: one small launch. A row no split kept a key for gives NaN, or 0
-    with `zero_empty_rows`, as the unsplit kernels do."""
-    splits, rows, dim = ws_acc.shape
+def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, splits: int, out: torch.Tensor, rows: int, dim: int,
+                   zero_empty_rows: bool, row_stride: int | None = None) -> None:
+    """Write into `out` (`rows` rows of `dim`, unit stride along dim, rows `row_stride` apart;
+    default: contiguous) the merge of the `splits` partial
+    results in `split_workspace`'s buffers: one small launch. A row no split kept a key for gives
+    NaN, or 0 with `zero_empty_rows`, as the unsplit kernels do."""
     block_d = next_pow2(dim)
     block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
     _combine_splits[(cdiv(rows, block_r),)](
-        ws_acc, ws_ml, out, rows, dim, splits, out.stride(0),
+        ws_acc, ws_ml, out, rows, dim, splits, dim if row_stride is None else row_stride,
         ZERO_EMPTY_ROWS=bool(zero_empty_rows), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )

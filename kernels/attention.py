@@ -36,8 +36,8 @@ import triton.language as tl
 
 from . import _common
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
-from ._common import (FLOAT_DTYPES, TUNED_KEYS, autotuned, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
-                      interpreted, next_pow2, retries_smaller, split_count, tune_candidates)
+from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
+                      check_qkv, fail, interpreted, next_pow2, retries_smaller, SplitRule, strides_as, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -184,71 +184,117 @@ _TUNE_KEY = ("BLOCK_D", "BLOCK_DV", "MASK_KIND", "CAUSAL", "SOFTCAP", "WINDOW", 
 _MAX_Q_BUCKET, _MAX_K_BUCKET = 256, 16384
 
 
+class _Launch:
+    """What a launch decides from everything but the key count and causal offset (a decode step's
+    context grows by one each step; those two are read per call): blocks, constexprs, tuner."""
+
+    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "mask_kind", "block_m", "block_n", "q_blocks", "split",
+                 "fixed", "meta", "candidates")
+
+    def __init__(self, q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune):
+        B, Hq, Sq, D = q.shape
+        self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, k.shape[1], v.shape[3]
+        self.mask_kind = 0 if mask is None else 2 if mask.dtype == torch.bool else 1
+        # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
+        rows_cap = max(16, next_pow2(Sq))
+
+        def clamp(c: dict) -> dict:
+            return {**c, "BLOCK_M": min(c["BLOCK_M"], rows_cap)}
+
+        self.fixed = fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
+        self.block_m, self.block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
+        self.q_blocks = cdiv(Sq, self.block_m)
+        # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
+        split_any = self.q_blocks == 1 or "SPLITS" in config
+        self.split = SplitRule(config, self.q_blocks * B * Hq, self.block_n) if split_any else None
+        self.candidates = tune_candidates(config, clamp) if autotune else []
+        check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in self.candidates or [fixed])), 1), NAME,
+                   f"{Sq} query rows")
+        self.meta = dict(
+            MASK_KIND=self.mask_kind, CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0,
+            ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+            BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
+        )
+        if len(self.candidates) <= 1:
+            self.meta.update(BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+                             num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2))
+
+
+_launches = LaunchPlans()
+
+
+def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, autotune) -> tuple | None:
+    """Everything check_inputs and _Launch read but the key count and causal offset; None
+    when the inputs are not 4-D tensors (check_inputs then says what is wrong)."""
+    try:
+        Bk, Hkv, _, Dk = k.shape
+        Bv, Hv, _, Dv = v.shape
+        mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
+        return (q.shape, q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device, Bv, Hv, Dv, v.dtype, v.device,
+                mask_sig, scale, causal, zero_empty_rows, softcap, window, autotune)
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
 @retries_smaller(NAME)
 def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False,
            softcap: float = 0.0, window: int = 0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
     num_warps, num_stages; the key split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to
     force a count, see _common.split_count); and AUTOTUNE, alternatives that triton.autotune times
-    against the row's own config on a CUDA GPU (elsewhere the row's config runs)."""
-    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
+    against the row's own config on a CUDA GPU (elsewhere the row's config runs).
+
+    The checks and decisions that do not depend on the key count are made once per signature
+    (`_launches`); per call only the key count, the causal offset and the mask's shape are checked."""
+    autotune = _common.autotune_enabled(q.device)
+    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, autotune)
+    if signature is None:
+        check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    plan = _launches.get(signature, config, lambda: _checked_launch(q, k, v, mask, scale, causal, causal_offset,
+                                                                    zero_empty_rows, softcap, window, config,
+                                                                    autotune))
+    Sk = k.shape[2]
+    B, Hq, Sq, Dv = plan.B, plan.Hq, plan.Sq, plan.Dv
+    if not (v.shape[2] == Sk and type(causal_offset) is int
+            and (mask is None or broadcasts_to(mask.shape, (B, Hq, Sq, Sk)))):
+        check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
+    if B * Hq * Sq * Dv == 0:
         return out
     if mask is None:
-        mask_kind, m, mstrides = 0, q, (0, 0, 0, 0)
+        m, mstrides = q, (0, 0, 0, 0)
     else:
-        mask_kind = 2 if mask.dtype == torch.bool else 1
-        m = mask.expand(B, Hq, Sq, Sk)  # stride 0 on broadcast dims, no copy
-        mstrides = m.stride()
-
-    # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
-    rows_cap = max(16, next_pow2(Sq))
-
-    def clamp(c: dict) -> dict:
-        return {**c, "BLOCK_M": min(c["BLOCK_M"], rows_cap)}
-
-    fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
-    block_m, block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
-    q_blocks = cdiv(Sq, block_m)
-    # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
-    splits, split_keys = 1, max(Sk, 1)
-    if q_blocks == 1 or "SPLITS" in config:
-        splits, split_keys = split_count(config, q_blocks * B * Hq, Sk, block_n)
+        m, mstrides = mask, strides_as(mask, (B, Hq, Sq, Sk))  # stride 0 on broadcast dims, no copy
+    splits, split_keys = plan.split(Sk) if plan.split is not None else (1, max(Sk, 1))
     if splits > 1:
-        ws_acc, ws_ml = split_workspace(splits, B * Hq * Sq, Dv, q.device)
+        if splits > GRID_YZ_MAX:
+            check_grid((B * Hq, plan.q_blocks, splits), NAME, f"{Sq} query rows")
+        ws_acc, ws_ml = split_workspace(splits, B * Hq * Sq, Dv, q)
     else:
         ws_acc = ws_ml = out  # not written
     args = (q, k, v, m, out, ws_acc, ws_ml,
-            *q.stride(), *k.stride(), *v.stride(), *mstrides, *out.stride(),
-            Hq, Hq // Hkv, Sq, Sk, D, Dv,
+            *q.stride(), *k.stride(), *v.stride(), *mstrides, Hq * Sq * Dv, Sq * Dv, Dv, 1,
+            Hq, Hq // plan.Hkv, Sq, Sk, plan.D, Dv,
             float(scale), int(causal_offset), split_keys, float(softcap or 1.0), int(window))
-    meta = dict(
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0, ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
-    )
-    candidates = tune_candidates(config, clamp) if _common.autotune_enabled(q.device) else []
-    if len(candidates) > 1:
+    if len(plan.candidates) > 1:
         bucket = (min(next_pow2(Sq), _MAX_Q_BUCKET), min(next_pow2(Sk), _MAX_K_BUCKET))
-        tuned = autotuned(_attention_fwd, candidates, _TUNE_KEY, bucket)
-        check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in candidates)), splits), NAME,
-                   f"{Sq} query rows")
-        tuned[lambda meta: (B * Hq, cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **meta)
+        tuned = autotuned(_attention_fwd, plan.candidates, _TUNE_KEY, bucket)
+        tuned[lambda meta: (B * Hq, cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **plan.meta, SPLIT=splits > 1)
     else:
-        check_grid((B * Hq, q_blocks, splits), NAME, f"{Sq} query rows")
-        _attention_fwd[(B * Hq, q_blocks, splits)](
-            *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2),
-        )
+        _attention_fwd[(B * Hq, plan.q_blocks, splits)](*args, **plan.meta, SPLIT=splits > 1)
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, out.view(B * Hq * Sq, Dv), zero_empty_rows)
+        combine_splits(ws_acc, ws_ml, splits, out, B * Hq * Sq, Dv, zero_empty_rows)
     return out
+
+
+def _checked_launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config,
+                    autotune) -> _Launch:
+    check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    return _Launch(q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune)
 
 
 def _keep_mask(Sq: int, Sk: int, causal_offset: int, device, window: int = 0, key_start: int = 0) -> torch.Tensor:

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._common import (fail, cdiv, retries_smaller, TUNED_KEYS, as_rows, autotuned, check_float, gpu_capability, interpreted, next_pow2,
+from ._common import (fail, cdiv, retries_smaller, LaunchPlans, signature, TUNED_KEYS, as_rows, rows_of, autotuned, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "fp8_gemm"
@@ -292,73 +292,100 @@ _TUNE_KEY = ("N", "K", "HAS_BIAS", "ACT_QUANT", "FP8_DOT", "SPLIT_K")
 _MAX_M_BUCKET = 4096
 
 
+class _Launch:
+    """A launch's checks and decisions for one signature (a decode step's rows and weight shapes
+    repeat every step): blocks, split-K, constexprs, tuner."""
+
+    __slots__ = ("M", "N", "K", "stride_xm", "grid", "splits", "k_per_split", "meta", "fixed", "native", "tuned",
+                 "sum_block")
+
+    def __init__(self, args: tuple, config):
+        check_inputs(*args)
+        x, w, _, bias, block_n, block_k, act_quant = args
+        M, self.stride_xm = rows_of(NAME, "x", x)
+        (N, K), has_bias, dtype, device = w.shape, bias is not None, x.dtype, x.device
+        self.M, self.N, self.K = M, N, K
+        if M * N == 0:
+            self.grid = None
+            return
+        row, bucket = _row_for_m(config, M)
+
+        def clamp(c: dict) -> dict:
+            return _clamp(c, M, N, K, block_n, block_k)
+
+        fixed = clamp({key: row[key] for key in TUNED_KEYS if key in row})
+        bm, bn, bk = fixed["BLOCK_M"], fixed["BLOCK_N"], fixed["BLOCK_K"]
+        plan = _plan(device)
+        # split-K for decode: few rows and few N tiles leave most SMs idle; splits start on
+        # scale-group boundaries (block_k), a multiple of every candidate's BLOCK_K
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        splits, k_per_split = 1, K
+        if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
+            splits, k_per_split = split_count(row, tiles, K, block_k)
+        candidates = tune_candidates(row, clamp) if _common.autotune_enabled(device) else []
+        # an FP8 tl.dot needs a K tile of FP8_DOT_MIN_K on sm_89/sm_90 (the interpreter does not
+        # enforce it): a smaller tile (a small K or scale block) dots the tiles as fp16, which holds
+        # every e4m3 value exactly, so the result is the same
+        fp8_dot = plan["FP8_DOT"] and min([bk] + [c["BLOCK_K"] for c in candidates]) >= FP8_DOT_MIN_K
+        self.meta = dict(
+            HAS_BIAS=has_bias, SPLIT_K=splits > 1, ACT_QUANT=bool(act_quant),
+            FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=fp8_dot,
+            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+            # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
+            UPCAST=dtype == torch.float32 or (interpreted() and dtype == torch.bfloat16),
+        )
+        self.native, self.splits, self.k_per_split, self.fixed = plan["FP8_NATIVE"], splits, k_per_split, fixed
+        self.sum_block = row.get("SUM_BLOCK", 1024)
+        if len(candidates) > 1:
+            self.tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
+            self.grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]), splits)
+        else:
+            self.tuned = None
+            self.grid = (cdiv(M, bm), cdiv(N, bn), splits)
+            self.meta.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 3))
+
+
+_launches = LaunchPlans()
+
+
 @retries_smaller(NAME)
 def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
     alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
-    check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant)
-    x2 = as_rows(NAME, "x", x)
-    M, K = x2.shape
-    N = w.shape[0]
-    out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
+    args = (x, w, scale_inv, bias, block_n, block_k, act_quant)
+    plan = _launches.get((signature(*args), _common.autotune_enabled(x.device)), config,
+                         lambda: _Launch(args, config))
+    M, N, K = plan.M, plan.N, plan.K
+    out = x.new_empty((*x.shape[:-1], N))
+    if plan.grid is None:
         return out
-    y2 = out.view(M, N)
-    row, bucket = _row_for_m(config, M)
-
-    def clamp(c: dict) -> dict:
-        return _clamp(c, M, N, K, block_n, block_k)
-
-    fixed = clamp({key: row[key] for key in TUNED_KEYS if key in row})
-    bm, bn, bk = fixed["BLOCK_M"], fixed["BLOCK_N"], fixed["BLOCK_K"]
-    plan = _plan(x.device)
     if act_quant:
-        a, xs = quantize_activations(x2, block_k)
-        xs_strides = xs.stride()
+        a, xs = quantize_activations(as_rows(NAME, "x", x), block_k)
+        stride_am, xs_strides = a.stride(0), xs.stride()
     else:
-        a, xs, xs_strides = x2, x2, (0, 0)
+        a, xs, stride_am, xs_strides = x, x, plan.stride_xm, (0, 0)
     wk = w
-    if not plan["FP8_NATIVE"]:
+    if not plan.native:
         # hand the kernel the bytes; it decodes e4m3 itself
         wk = w.view(torch.uint8)
         if act_quant:
             a = a.view(torch.uint8)
-    # split-K for decode: few rows and few N tiles leave most SMs idle; splits start on
-    # scale-group boundaries (block_k), a multiple of every candidate's BLOCK_K
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    splits, k_per_split = 1, K
-    if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
-        splits, k_per_split = split_count(row, tiles, K, block_k)
-    partial = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else y2
-    args = (a, xs, wk, scale_inv, bias if bias is not None else y2, y2, partial,
-            M, N, K, block_n, block_k, k_per_split,
-            a.stride(0), *xs_strides, *w.stride(), *scale_inv.stride(), y2.stride(0))
-    candidates = tune_candidates(row, clamp) if _common.autotune_enabled(x.device) else []
-    # an FP8 tl.dot needs a K tile of FP8_DOT_MIN_K on sm_89/sm_90 (the interpreter does not
-    # enforce it): a smaller tile (a small K or scale block) dots the tiles as fp16, which holds
-    # every e4m3 value exactly, so the result is the same
-    fp8_dot = plan["FP8_DOT"] and min([bk] + [c["BLOCK_K"] for c in candidates]) >= FP8_DOT_MIN_K
-    meta = dict(
-        HAS_BIAS=bias is not None, SPLIT_K=splits > 1, ACT_QUANT=bool(act_quant),
-        FP8_NATIVE=plan["FP8_NATIVE"], FP8_DOT=fp8_dot,
-        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
-        # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
-        UPCAST=x.dtype == torch.float32 or (interpreted() and x.dtype == torch.bfloat16),
-    )
-    if len(candidates) > 1:
-        tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
-        tuned[lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]), splits)](*args, **meta)
+    splits = plan.splits
+    partial = x.new_empty((splits, M, N), dtype=torch.float32) if splits > 1 else out
+    args = (a, xs, wk, scale_inv, bias if bias is not None else out, out, partial,
+            M, N, K, block_n, block_k, plan.k_per_split,
+            stride_am, *xs_strides, *w.stride(), *scale_inv.stride(), N)
+    if plan.tuned is None:
+        _fp8_gemm_fwd[plan.grid](*args, **plan.meta)
     else:
-        _fp8_gemm_fwd[(cdiv(M, bm), cdiv(N, bn), splits)](
-            *args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 3),
-        )
+        plan.tuned[plan.grid](*args, **plan.meta)
     if splits > 1:
-        block = row.get("SUM_BLOCK", 1024)
+        block = plan.sum_block
         _sum_splits[(cdiv(M * N, block),)](
-            partial, bias if bias is not None else y2, y2, N, M * N, splits, y2.stride(0),
+            partial, bias if bias is not None else out, out, N, M * N, splits, N,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fail, cdiv, as_rows, check, check_float
+from ._common import LaunchPlans, fail, cdiv, rows_of, check, check_float, signature
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -48,17 +48,31 @@ def out_dtype(gate, up) -> torch.dtype:
     return torch.promote_types(gate.dtype, up.dtype)
 
 
-def launch(gate, up, *, config: dict, activation: str = "silu") -> torch.Tensor:
-    check_inputs(gate, up, activation)
-    g2, u2 = as_rows(NAME, "gate", gate), as_rows(NAME, "up", up)
-    y = torch.empty(gate.shape, dtype=out_dtype(gate, up), device=gate.device)
-    y2 = y.view(-1, gate.shape[-1])
-    n_rows, n_cols = g2.shape
-    if y.numel():
+class _Launch:
+    """A launch's checked decisions for one signature: output dtype, grid, row strides."""
+
+    __slots__ = ("dtype", "grid", "scalars", "meta")
+
+    def __init__(self, gate, up, activation, config):
+        check_inputs(gate, up, activation)
+        (n_rows, stride_g), stride_u = rows_of(NAME, "gate", gate), rows_of(NAME, "up", up)[1]
+        self.dtype = out_dtype(gate, up)
+        n_cols = gate.shape[-1]
         br, bn = config["BLOCK_R"], config["BLOCK_N"]
-        grid = (cdiv(n_rows, br), cdiv(n_cols, bn))
-        _glu_fwd[grid](g2, u2, y2, n_rows, n_cols, g2.stride(0), u2.stride(0), y2.stride(0),
-                       ACT=activation, BLOCK_R=br, BLOCK_N=bn, num_warps=config.get("num_warps", 4))
+        self.grid = (cdiv(n_rows, br), cdiv(n_cols, bn)) if n_rows and n_cols else None
+        self.scalars = (n_rows, n_cols, stride_g, stride_u, n_cols)
+        self.meta = dict(ACT=activation, BLOCK_R=br, BLOCK_N=bn, num_warps=config.get("num_warps", 4))
+
+
+_launches = LaunchPlans()
+
+
+def launch(gate, up, *, config: dict, activation: str = "silu") -> torch.Tensor:
+    """Checks and decisions once per signature (a decode step's repeat every step)."""
+    plan = _launches.get(signature(gate, up, activation), config, lambda: _Launch(gate, up, activation, config))
+    y = torch.empty_like(gate, dtype=plan.dtype, memory_format=torch.contiguous_format)
+    if plan.grid is not None:
+        _glu_fwd[plan.grid](gate, up, y, *plan.scalars, **plan.meta)
     return y
 
 

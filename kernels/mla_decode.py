@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
-from ._common import fail, cdiv, retries_smaller, check, check_float, check_grid, interpreted, next_pow2, split_count
+from ._common import (GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
+                      check_grid, interpreted, next_pow2, strides_as)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -225,61 +226,107 @@ def _block(config: dict, key: str) -> int:
     return val
 
 
+class _Launch:
+    """What a launch decides from everything but the cache length and causal offset (read per
+    call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
+
+    __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta")
+
+    def __init__(self, q_latent, q_pe, indices, mask, causal, zero_empty_rows, config):
+        B, H, Sq, R = q_latent.shape
+        P = q_pe.shape[3]
+        self.B, self.H, self.Sq, self.R, self.P = B, H, Sq, R, P
+        self.topk = 0 if indices is None else indices.shape[2]
+        wide = config.get("WIDE_R")
+        if wide is not None and R > wide["MAX_R"]:
+            config = {**config, **{k: v for k, v in wide.items() if k != "MAX_R"}}
+        # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
+        self.block_h = block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
+        block_n = _block(config, "BLOCK_N")
+        self.head_blocks = cdiv(H, block_h)
+        check_grid((B * self.head_blocks, Sq, 1), NAME, f"{Sq} query rows")
+        # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
+        # split the cache (or the top-k slots) over several programs
+        self.split = SplitRule(config, Sq * B * self.head_blocks, block_n)
+        self.meta = dict(
+            HAS_INDICES=indices is not None,
+            MASK_KIND=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+            CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+            BLOCK_H=block_h, BLOCK_N=block_n,
+            BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
+            DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+            DOT_UPCAST=interpreted() and q_latent.dtype == torch.bfloat16,
+            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        )
+
+
+_launches = LaunchPlans()
+
+
+def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
+    """Everything check_inputs and _Launch read but the cache length and causal offset; None
+    when an input is not a tensor of the right rank (check_inputs then says what is wrong)."""
+    try:
+        Bc, _, Rc = ckv.shape
+        Bk, _, Pk = kpe.shape
+        index_sig = None if indices is None else (indices.shape, indices.dtype, indices.device)
+        mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
+        return (q_latent.shape, q_latent.dtype, q_latent.device, q_pe.shape, q_pe.dtype, q_pe.device,
+                Bc, Rc, ckv.dtype, ckv.device, Bk, Pk, kpe.dtype, kpe.device, index_sig, mask_sig,
+                scale, causal, zero_empty_rows)
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
 @retries_smaller(NAME)
 def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
            zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages, and the key
-    split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count; _common.split_count)."""
-    check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
-    B, H, Sq, R = q_latent.shape
-    P, T = q_pe.shape[3], ckv.shape[1]
-    out = torch.empty((B, H, Sq, R), dtype=q_latent.dtype, device=q_latent.device)
-    if out.numel() == 0:
+    split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count; _common.SplitRule).
+    Checks and decisions that do not depend on the cache length are made once per signature."""
+    args = (q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    signature = _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows)
+    if signature is None:
+        check_inputs(*args)
+    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    T = ckv.shape[1]
+    B, H, Sq, R = plan.B, plan.H, plan.Sq, plan.R
+    if not (kpe.shape[1] == T > 0 and type(causal_offset) is int
+            and (mask is None or broadcasts_to(mask.shape, (B, H, Sq, T)))):
+        check_inputs(*args)
+    out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+    if B * H * Sq * R == 0:
         return out
     if mask is None:
-        mask_kind, m, mstrides = 0, q_latent, (0, 0, 0, 0)
+        m, mstrides = q_latent, (0, 0, 0, 0)
     else:
-        mask_kind = 2 if mask.dtype == torch.bool else 1
-        m = mask.expand(B, H, Sq, T)  # stride 0 on broadcast dims, no copy
-        mstrides = m.stride()
-    if indices is None:
-        idx, istrides, topk = q_latent, (0, 0, 0), 0
-    else:
-        idx, istrides, topk = indices, indices.stride(), indices.shape[2]
-    wide = config.get("WIDE_R")
-    if wide is not None and R > wide["MAX_R"]:
-        config = {**config, **{k: v for k, v in wide.items() if k != "MAX_R"}}
-    # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
-    block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
-    block_n = _block(config, "BLOCK_N")
-    head_blocks = cdiv(H, block_h)
-    # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
-    # split the cache (or the top-k slots) over several programs
-    splits, split_keys = split_count(config, Sq * B * head_blocks, T if indices is None else topk, block_n)
+        m, mstrides = mask, strides_as(mask, (B, H, Sq, T))  # stride 0 on broadcast dims, no copy
+    idx, istrides = (q_latent, (0, 0, 0)) if indices is None else (indices, indices.stride())
+    splits, split_keys = plan.split(T if indices is None else plan.topk)
     if splits > 1:
-        ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent.device)
+        if splits > GRID_YZ_MAX:
+            check_grid((B * plan.head_blocks, Sq, splits), NAME, f"{Sq} query rows")
+        ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent)
     else:
         ws_acc = ws_ml = out  # not written
-    check_grid((B * head_blocks, Sq, splits), NAME, f"{Sq} query rows")
-    _mla_fwd[(B * head_blocks, Sq, splits)](
+    _mla_fwd[(B * plan.head_blocks, Sq, splits)](
         q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml,
         *q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(), *istrides, *mstrides,
-        *out.stride(),
-        H, head_blocks, T, topk, R, P,
-        float(scale), int(causal_offset), split_keys,
-        HAS_INDICES=indices is not None,
-        MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows), SPLIT=splits > 1,
-        BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
-        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-        # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=interpreted() and q_latent.dtype == torch.bfloat16,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        H * Sq * R, Sq * R, R, 1,
+        H, plan.head_blocks, T, plan.topk, R, plan.P,
+        float(scale), causal_offset, split_keys, SPLIT=splits > 1, **plan.meta,
     )
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, out.view(B * H * Sq, R), zero_empty_rows)
+        combine_splits(ws_acc, ws_ml, splits, out, B * H * Sq, R, zero_empty_rows)
     return out
+
+
+def _checked_launch(args: tuple, config) -> _Launch:
+    check_inputs(*args)
+    q_latent, q_pe, _, _, indices, mask, _, causal, _, zero_empty_rows = args
+    return _Launch(q_latent, q_pe, indices, mask, causal, zero_empty_rows, config)
 
 
 def reference(q_latent, q_pe, ckv, kpe, indices=None, mask=None, scale=None, causal=False,

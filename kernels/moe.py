@@ -20,7 +20,8 @@ replaces never visits them, and transformers marks expert-parallel slots of othe
 such ids (checking them would need a host sync on the GPU anyway).
 
 Three implementations of the same function:
-- `launch`: two Triton kernels over token rows sorted by expert (`align_by_expert`);
+- `launch`: two Triton kernels over token rows sorted by expert (`_moe_align` in one program for
+  decode's few pairs, `align_by_expert`'s torch ops above), and one summing each token's pairs;
 - `cpu_forward`: the CPU path, a host loop over the experts that received tokens;
 - `reference`: dense float32 math over every expert, for tests.
 """
@@ -33,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ._flash import dot
-from ._common import fail, cdiv, retries_smaller, check, check_float, gpu_capability, interpreted
+from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability, interpreted,
+                      next_pow2, signature)
 
 NAME = "moe"
 
@@ -43,10 +45,15 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 # sorted (token, k) rows, BLOCK_N a GEMM's output dim, BLOCK_K its reduction dim; with FP8
 # weights BLOCK_N/BLOCK_K are clamped to block_n/block_k so one scale covers a whole tile.
 DEFAULT_CONFIGS = {
-    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    # ALIGN_MAX_PAIRS: up to this many (token, k) pairs the routing is sorted by one Triton
+    # program (`_moe_align`, one launch: decode), above by `align_by_expert`'s torch ops (~20
+    # launches, each parallel over the pairs: prefill). 1024 is not measured yet: bench/gpu_check.py
+    # times both paths at the bound.
+    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
+                    "ALIGN_MAX_PAIRS": 1024},
     # kernel 1 holds two accumulators (gate and up): 64x64 tiles keep it within registers, and
     # 3 stages x (64x64 + 2 x 64x64) x 2 bytes = 72 KB of shared memory fits Ada and Hopper.
-    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "ALIGN_MAX_PAIRS": 1024},
 }
 
 
@@ -303,6 +310,85 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pair_ids, expert_of_block, ends_padded[-1:]
 
 
+@triton.jit
+def _moe_align(
+    IDS, SORTED, EXPERT, num_pairs, num_experts, n_rows,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """`align_by_expert` in one program: IDS (num_pairs,) the pairs' expert ids -> SORTED
+    (n_rows,) pair ids stable-sorted by expert, each expert's run padded to BLOCK_M with the
+    sentinel num_pairs, and EXPERT (n_rows / BLOCK_M,) each tile's expert (num_experts past the
+    end). Ids outside [0, num_experts) are dropped. Padding and pair slots are disjoint, so the
+    two store passes need no ordering between them."""
+    experts = tl.arange(0, BLOCK_E)
+    is_expert = experts < num_experts
+    j = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(IDS + p0 + j, mask=p0 + j < num_pairs, other=-1)
+        counts += tl.sum(((ids[:, None] == experts[None, :]) & is_expert[None, :]).to(tl.int32), axis=0)
+    padded = tl.where(is_expert, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    # every row: its tile's expert (the experts whose padded runs end at or before it), padding or not
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        in_range = rows < n_rows
+        expert = tl.sum(((ends[None, :] <= rows[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+        mine = experts[None, :] == expert[:, None]
+        start = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
+        count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        pad = (expert >= num_experts) | (rows - start >= count)
+        sentinel = tl.zeros([BLOCK_R], tl.int64) + num_pairs
+        tl.store(SORTED + rows, sentinel.to(SORTED.dtype.element_ty), mask=in_range & pad)
+        tl.store(EXPERT + rows // BLOCK_M, expert.to(tl.int64), mask=in_range & (rows % BLOCK_M == 0))
+    # every in-range pair: its expert's padded start + the expert's pairs before it (stable)
+    taken = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs = p0 + j
+        ids = tl.load(IDS + offs, mask=offs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & is_expert[None, :]  # out-of-range ids hit none
+        earlier = (ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])
+        dest = tl.sum(tl.where(hit, (starts + taken)[None, :], 0), axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        valid = (ids >= 0) & (ids < num_experts) & (offs < num_pairs)
+        tl.store(SORTED + dest, offs.to(SORTED.dtype.element_ty), mask=valid)
+        taken += tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _moe_sum(PAIRS, IDS, Y, num_experts, top_k, hidden, stride_it, stride_ik, BLOCK_H: tl.constexpr):
+    """Y[t] = sum over k of PAIRS[t * top_k + k] (float32, k in order: deterministic), skipping
+    pairs whose expert id is out of range (never written by the GEMMs), rounded once to Y's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in range(0, top_k):
+        e = tl.load(IDS + t * stride_it + k * stride_ik)
+        # the scalar test as a vector: the interpreter refuses a scalar-and-vector mask
+        used = (tl.zeros([BLOCK_H], tl.int32) + ((e >= 0) & (e < num_experts)).to(tl.int32)) != 0
+        acc += tl.load(PAIRS + (t * top_k + k) * hidden + cols, mask=ok & used, other=0.0)
+    tl.store(Y + t * hidden + cols, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def launch_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pair_ids, expert_of_block) as `align_by_expert` gives them, from one launch of
+    `_moe_align` (one program: meant for decode's few pairs, see ALIGN_MAX_PAIRS)."""
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    P = ids.numel()
+    n_tiles = max_tiles(P, num_experts, block_m)
+    sorted_pairs = ids.new_empty(n_tiles * block_m, dtype=torch.int32 if P < 2**31 - 1 else torch.long)
+    expert_of_block = ids.new_empty(n_tiles, dtype=torch.long)
+    if n_tiles:
+        _moe_align[(1,)](ids, sorted_pairs, expert_of_block, P, num_experts, n_tiles * block_m,
+                         BLOCK_M=block_m, BLOCK_P=_ALIGN_BLOCK_P, BLOCK_E=max(16, next_pow2(num_experts)),
+                         BLOCK_R=_ALIGN_BLOCK_R, num_warps=4)
+    return sorted_pairs, expert_of_block
+
+
+_ALIGN_BLOCK_P, _ALIGN_BLOCK_R = 64, 64  # pairs and rows per step of _moe_align's loops
+
+
 def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tuple[int, int, int]:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     for key, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk)):
@@ -313,57 +399,79 @@ def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tupl
     return bm, bn, bk
 
 
+class _Launch:
+    """A launch's checks and decisions for one signature (a decode step's token count, top-k and
+    weights repeat every step): blocks, tile bound, grids, strides, constexprs."""
+
+    __slots__ = ("T", "H", "I", "K", "E", "P", "BM", "n_tiles", "align_in_one", "grids", "strides", "meta")
+
+    def __init__(self, args: tuple, config):
+        check_inputs(*args)
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k = args
+        T, H = x.shape
+        K = topk_ids.shape[1]
+        E, I = w_gate.shape[0], w_gate.shape[1]
+        fp8 = w_gate.dtype in FP8_DTYPES
+        BM, BN, BK = _clamped_blocks(config, fp8, block_n, block_k)
+        cap = gpu_capability(x.device)
+        if fp8 and cap is not None and not cap >= (8, 9):
+            # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89: compiling would fail there
+            fail(NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
+                       f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
+        self.T, self.H, self.I, self.K, self.E, self.P, self.BM = T, H, I, K, E, T * K, BM
+        self.n_tiles = max_tiles(T * K, E, BM)
+        self.align_in_one = T * K <= config.get("ALIGN_MAX_PAIRS", 0)
+        self.grids = ((self.n_tiles, cdiv(I, BN)), (self.n_tiles, cdiv(H, BN)), (T, cdiv(H, _SUM_BLOCK_H)))
+        zeros = (0, 0, 0)  # unused scale pointers get zero strides
+        sg, su, sd = (s_gate.stride(), s_up.stride(), s_down.stride()) if fp8 else (zeros, zeros, zeros)
+        self.strides = ((*x.stride(), *w_gate.stride(), *w_up.stride(), *sg, *su, I, 1),
+                        (I, 1, *w_down.stride(), *sd, *topk_weights.stride(), H, 1))
+        self.meta = dict(
+            FP8=fp8, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits;
+            # under the interpreter they are upcast first (the GPU path is unaffected).
+            DOT_UPCAST=interpreted() and x.dtype == torch.bfloat16,
+            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        )
+
+
+_SUM_BLOCK_H = 1024  # hidden columns per program of _moe_sum
+_launches = LaunchPlans()
+
+
 @retries_smaller(NAME)
 def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
            block_n: int = 128, block_k: int = 128, *, config: dict) -> torch.Tensor:
-    """Run the two Triton kernels. `config`: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages."""
-    check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
-    T, H = x.shape
-    K = topk_ids.shape[1]
-    E, I = w_gate.shape[0], w_gate.shape[1]
-    fp8 = w_gate.dtype in FP8_DTYPES
-    BM, BN, BK = _clamped_blocks(config, fp8, block_n, block_k)
-    cap = gpu_capability(x.device)
-    if fp8 and cap is not None:
-        # Triton has no float8_e4m3fn (fp8e4nv) type before sm_89: compiling would fail there
-        if not cap >= (8, 9):
-            fail(NAME, f"FP8 weights need a GPU of compute capability >= 8.9 for Triton's "
-              f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
+    """Route, run the two GEMM kernels, sum each token's pairs. `config`: BLOCK_M, BLOCK_N,
+    BLOCK_K, num_warps, num_stages, ALIGN_MAX_PAIRS. Checks and decisions once per signature."""
+    args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
+    plan = _launches.get(signature(*args), config, lambda: _Launch(args, config))
+    T, H, I, K, E, P = plan.T, plan.H, plan.I, plan.K, plan.E, plan.P
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
-        return torch.empty((0, H), dtype=x.dtype, device=x.device)
-    P = T * K
-    sorted_pairs, expert_of_block, _ = align_by_expert(topk_ids, E, BM)
-    n_tiles = expert_of_block.numel()
-    h = torch.empty((n_tiles * BM, I), dtype=x.dtype, device=x.device)
-    # pairs with an out-of-range expert are never written: zeros make them contribute nothing
-    out_pairs = torch.zeros((P, H), dtype=torch.float32, device=x.device)
-    if not fp8:  # unused pointers: any tensor, zero strides
-        s_gate = s_up = s_down = w_gate
-        sg_str = su_str = sd_str = (0, 0, 0)
+        return out
+    if plan.align_in_one:
+        sorted_pairs, expert_of_block = launch_align(topk_ids, E, plan.BM)
     else:
-        sg_str, su_str, sd_str = s_gate.stride(), s_up.stride(), s_down.stride()
-    common = dict(
-        FP8=fp8, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits;
-        # under the interpreter they are upcast first (the GPU path is unaffected).
-        DOT_UPCAST=interpreted() and x.dtype == torch.bfloat16,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
-    )
-    _moe_gate_up[(n_tiles, cdiv(I, BN))](
+        sorted_pairs, expert_of_block, _ = align_by_expert(topk_ids, E, plan.BM)
+    h = x.new_empty((plan.n_tiles * plan.BM, I))
+    # pairs with an out-of-range expert are never written; _moe_sum skips them
+    out_pairs = x.new_empty((P, H), dtype=torch.float32)
+    if s_gate is None:  # unused pointers: any tensor (zero strides)
+        s_gate = s_up = s_down = w_gate
+    grid_up, grid_down, grid_sum = plan.grids
+    strides_up, strides_down = plan.strides
+    _moe_gate_up[grid_up](
         x, w_gate, w_up, s_gate, s_up, sorted_pairs, expert_of_block, h,
-        P, K, E, H, I, block_n, block_k,
-        *x.stride(), *w_gate.stride(), *w_up.stride(), *sg_str, *su_str, *h.stride(),
-        **common,
+        P, K, E, H, I, block_n, block_k, *strides_up, **plan.meta,
     )
-    _moe_down[(n_tiles, cdiv(H, BN))](
+    _moe_down[grid_down](
         h, w_down, s_down, sorted_pairs, expert_of_block, topk_weights, out_pairs,
-        P, K, E, H, I, block_n, block_k,
-        *h.stride(), *w_down.stride(), *sd_str, *topk_weights.stride(), *out_pairs.stride(),
-        **common,
+        P, K, E, H, I, block_n, block_k, *strides_down, **plan.meta,
     )
-    # the sum over K in a fixed order (no atomics): deterministic
-    return out_pairs.view(T, K, H).sum(dim=1).to(x.dtype)
+    _moe_sum[grid_sum](out_pairs, topk_ids, out, E, K, H, *topk_ids.stride(), BLOCK_H=_SUM_BLOCK_H, num_warps=4)
+    return out
 
 
 def dequantize(w: torch.Tensor, s: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:

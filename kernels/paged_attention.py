@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import fail, cdiv, retries_smaller, check_float, interpreted, next_pow2
+from ._common import LaunchPlans, fail, cdiv, retries_smaller, check_float, interpreted, next_pow2
 from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
@@ -180,43 +180,78 @@ def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
     return max(1, min(config.get("MAX_SPLITS", 8), cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
 
 
+class _Launch:
+    """What a launch decides from everything but the longest request's key count (read per call:
+    it grows every decode step): blocks, grid, constexprs."""
+
+    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "config", "block_n")
+
+    def __init__(self, q, k_pool, v_pool, key_index, cu_q, max_q, scale, window, softcap, config):
+        Tq, Hq, D = q.shape
+        Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+        self.Hkv, self.Dv, self.n, self.config = Hkv, Dv, cu_q.numel() - 1, config
+        self.empty = Tq * Hq * Dv == 0 or self.n == 0 or max_q == 0
+        group = Hq // Hkv
+        block_m, self.block_n = config["BLOCK_M"], config["BLOCK_N"]
+        self.blocks = cdiv(max_q * group, block_m)
+        self.scalars = (group, D, Dv, Hq, Tq, self.blocks)
+        self.meta = dict(
+            KEYS_IN_ORDER=key_index is None, SOFTCAP=softcap > 0, WINDOW=window > 0,
+            BLOCK_M=block_m, BLOCK_N=self.block_n,
+            BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
+            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        )
+
+
+_launches = LaunchPlans()
+
+
 @retries_smaller(NAME)
 def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
            window: int = 0, softcap: float = 0.0, *, config: dict) -> torch.Tensor:
     """Run the Triton kernel. max_q / max_k (the longest request's query and key counts) size
-    the grid without reading cu_q / cu_k on the host."""
-    check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
-    Tq, Hq, D = q.shape
-    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
-    out = torch.empty((Tq, Hq, Dv), dtype=q.dtype, device=q.device)
-    n = cu_q.numel() - 1
-    if out.numel() == 0 or n == 0 or max_q == 0:
+    the grid without reading cu_q / cu_k on the host. Checks and decisions that do not depend on
+    max_k or the key index's length are made once per signature."""
+    args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
+    try:
+        index_sig = None if key_index is None else (key_index.dtype, key_index.device, key_index.dim())
+        signature = (q.shape, q.dtype, q.device, k_pool.shape, k_pool.dtype, k_pool.device, v_pool.shape,
+                     v_pool.dtype, v_pool.device, index_sig, cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape,
+                     cu_k.dtype, cu_k.device, max_q, scale, window, softcap)
+    except AttributeError:
+        signature = check_inputs(*args)  # raises: an input is not a tensor
+    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    if not (type(max_k) is int and max_k >= 0):
+        check_inputs(*args)
+    Tq, Hq, Dv = q.shape[0], q.shape[1], plan.Dv
+    out = q.new_empty((Tq, Hq, Dv)) if Dv != q.shape[2] else torch.empty_like(q, memory_format=torch.contiguous_format)
+    if plan.empty:
         return out
-    group = Hq // Hkv
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    block_n = plan.block_n
     splits = _splits(config, max_q, max_k, block_n)
     split_keys = cdiv(cdiv(max(max_k, 1), splits), block_n) * block_n
     splits = cdiv(max(max_k, 1), split_keys)
-    blocks = cdiv(max_q * group, block_m)
     if splits > 1:
-        ws_acc, ws_ml = split_workspace(splits, Tq * Hq, Dv, q.device)  # rows in (token, head) order
+        ws_acc, ws_ml = split_workspace(splits, Tq * Hq, Dv, q)  # rows in (token, head) order
     else:
         ws_acc = ws_ml = out  # not written
-    _paged_fwd[(n * blocks, Hkv, splits)](
+    _paged_fwd[(plan.n * plan.blocks, plan.Hkv, splits)](
         q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws_acc, ws_ml,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *out.stride(),
-        group, D, Dv, Hq, Tq, blocks, split_keys,
-        float(scale), float(softcap or 1.0), int(window),
-        KEYS_IN_ORDER=key_index is None, SPLIT=splits > 1, SOFTCAP=softcap > 0, WINDOW=window > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), Hq * Dv, Dv, 1,
+        *plan.scalars, split_keys,
+        float(scale), float(softcap or 1.0), int(window), SPLIT=splits > 1, **plan.meta,
     )
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, out.view(Tq * Hq, Dv), zero_empty_rows=True)
+        combine_splits(ws_acc, ws_ml, splits, out, Tq * Hq, Dv, zero_empty_rows=True)
     return out
+
+
+def _checked_launch(args: tuple, config) -> _Launch:
+    check_inputs(*args)
+    q, k_pool, v_pool, key_index, cu_q, _, max_q, _, scale, window, softcap = args
+    return _Launch(q, k_pool, v_pool, key_index, cu_q, max_q, scale, window, softcap, config)
 
 
 def _requests(cu_q, cu_k):

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fail, as_rows, check, check_float, next_pow2
+from ._common import LaunchPlans, fail, rows_of, check, check_float, next_pow2, signature
 
 NAME = "rmsnorm"
 
@@ -61,32 +61,42 @@ def check_inputs(x, weight, eps, weight_offset, out_dtype, residual=None) -> Non
         fail(NAME, f"out_dtype {out_dtype} unsupported")
 
 
-def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *, config: dict):
-    """Returns y, or (y, x + residual) when a residual is given."""
-    check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
-    check(weight.stride(0) == 1 or weight.numel() == 1, NAME, "weight must be contiguous")
-    x2 = as_rows(NAME, "x", x)
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    y2 = y.view(-1, x.shape[-1])
-    if residual is not None:
-        r2 = as_rows(NAME, "residual", residual)
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        h2 = h.view(-1, x.shape[-1])
-    else:
-        r2 = h2 = x2
-    n_rows, n_cols = x2.shape
-    if n_rows > 0:
+class _Launch:
+    """A launch's checked decisions for one signature: rows and their strides, block, warps."""
+
+    __slots__ = ("n_rows", "scalars", "meta")
+
+    def __init__(self, x, weight, eps, weight_offset, out_dtype, residual, config):
+        check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
+        if not (weight.stride(0) == 1 or weight.numel() == 1):
+            fail(NAME, "weight must be contiguous")
+        self.n_rows, stride_x = rows_of(NAME, "x", x)
+        stride_r = stride_x if residual is None else rows_of(NAME, "residual", residual)[1]
+        n_cols = x.shape[-1]
         block_n = next_pow2(n_cols)
-        if not block_n <= config.get("MAX_BLOCK_N", 65536):
+        if self.n_rows and not block_n <= config.get("MAX_BLOCK_N", 65536):
             fail(NAME, f"rows of {n_cols} elements exceed the kernel's block")
-        _rmsnorm_fwd[(n_rows,)](
-            x2, r2, weight, y2, h2,
-            x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0),
-            n_cols, float(eps), float(weight_offset),
-            HAS_RESIDUAL=residual is not None, BLOCK_N=block_n,
-            num_warps=_warps(block_n, config),
-        )
-    return (y, h) if residual is not None else y
+        self.scalars = (stride_x, stride_r, n_cols, n_cols, n_cols, float(eps), float(weight_offset))
+        self.meta = dict(HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=_warps(block_n, config))
+
+
+_launches = LaunchPlans()
+
+
+def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *, config: dict):
+    """Returns y, or (y, x + residual) when a residual is given. Checks and decisions once per
+    signature (a decode step's repeat every step)."""
+    plan = _launches.get(signature(x, weight, eps, weight_offset, out_dtype, residual), config,
+                         lambda: _Launch(x, weight, eps, weight_offset, out_dtype, residual, config))
+    contiguous = torch.contiguous_format
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=contiguous)
+    if residual is None:
+        residual = h = x  # not read, not written
+    else:
+        h = torch.empty_like(x, memory_format=contiguous)
+    if plan.n_rows:
+        _rmsnorm_fwd[(plan.n_rows,)](x, residual, weight, y, h, *plan.scalars, **plan.meta)
+    return (y, h) if h is not x else y
 
 
 def _warps(block_n: int, config: dict) -> int:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import fail, broadcasts_to, cdiv, check_float, next_pow2
+from ._common import LaunchPlans, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
 
 NAME = "rope"
 
@@ -47,8 +47,8 @@ def _rope_fwd(
 def check_inputs(x, cos, sin) -> None:
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         check_float(NAME, name, t)
-        if not t.device == x.device:
-            fail(NAME, f"{name} is on a different device than x")
+    if not x.device == cos.device == sin.device:
+        fail(NAME, f"{'cos' if cos.device != x.device else 'sin'} is on a different device than x")
     if not 1 <= x.dim() <= 4:
         fail(NAME, f"x must have 1 to 4 dims, got shape {tuple(x.shape)}")
     if not x.shape[-1] % 2 == 0:
@@ -62,22 +62,34 @@ def out_dtype(x, cos, sin) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
+class _Launch:
+    """A launch's checked decisions for one signature: output dtype, grid, strides, constexprs."""
+
+    __slots__ = ("dtype", "grid", "scalars", "meta")
+
+    def __init__(self, x, cos, sin, config):
+        check_inputs(x, cos, sin)
+        self.dtype = out_dtype(x, cos, sin)
+        shape = x.shape
+        shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+        n0, n1, n2, d = shape4
+        n_rows, half = n0 * n1 * n2, d // 2
+        br = config["BLOCK_R"]
+        self.grid = (cdiv(n_rows, br),) if x.numel() else None
+        # strides of the 4-D views (x, cos, sin expanded to x) without building them
+        self.scalars = (n_rows, n1, n2, half, *strides_as(x, shape4), *strides_as(cos, shape4), *strides_as(sin, shape4))
+        self.meta = dict(BLOCK_R=br, BLOCK_H=max(1, next_pow2(half)), num_warps=config.get("num_warps", 4))
+
+
+_launches = LaunchPlans()
+
+
 def launch(x, cos, sin, *, config: dict) -> torch.Tensor:
-    check_inputs(x, cos, sin)
-    y = torch.empty(x.shape, dtype=out_dtype(x, cos, sin), device=x.device)
-    if y.numel() == 0:
-        return y
-    shape4 = (1,) * (4 - x.dim()) + tuple(x.shape)
-    x4, c4, s4 = x.reshape(shape4) if x.dim() < 4 else x, cos.expand(x.shape), sin.expand(x.shape)
-    c4, s4 = c4.reshape(shape4) if x.dim() < 4 else c4, s4.reshape(shape4) if x.dim() < 4 else s4
-    n0, n1, n2, d = shape4
-    n_rows, half = n0 * n1 * n2, d // 2
-    br = config["BLOCK_R"]
-    _rope_fwd[(cdiv(n_rows, br),)](
-        x4, c4, s4, y, n_rows, n1, n2, half,
-        *x4.stride(), *c4.stride(), *s4.stride(),
-        BLOCK_R=br, BLOCK_H=max(1, next_pow2(half)), num_warps=config.get("num_warps", 4),
-    )
+    """Checks and decisions once per signature (a decode step's repeat every step)."""
+    plan = _launches.get(signature(x, cos, sin), config, lambda: _Launch(x, cos, sin, config))
+    y = torch.empty_like(x, dtype=plan.dtype, memory_format=torch.contiguous_format)
+    if plan.grid is not None:
+        _rope_fwd[plan.grid](x, cos, sin, y, *plan.scalars, **plan.meta)
     return y
 
 

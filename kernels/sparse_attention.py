@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ._flash import dot, normalise, softmax_step
 from . import _common
-from ._common import (FLOAT_DTYPES, broadcasts_to, cdiv, check, check_grid, check_qkv, fail, interpreted, next_pow2,
-                      retries_smaller)
+from ._common import (FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail, interpreted,
+                      next_pow2, retries_smaller, strides_as)
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -189,41 +189,30 @@ def _block(config: dict, key: str) -> int:
     return val
 
 
-@retries_smaller(NAME)
-def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
-           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages."""
-    check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    topk = indices.shape[2]
-    group = Hq // Hkv
-    out = torch.empty((B, Hq, Sq, Dv), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    if mask is None:
-        mask_kind, m, mstrides = 0, q, (0, 0, 0, 0)
-    else:
-        mask_kind = 2 if mask.dtype == torch.bool else 1
-        m = mask.expand(B, Hq, Sq, Sk)  # stride 0 on broadcast dims, no copy
-        mstrides = m.stride()
-    # the head tile is padded to 16 rows (tl.dot's minimum) when the group is smaller
-    block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(group)))
-    block_n = _block(config, "BLOCK_N")
-    head_blocks = cdiv(group, block_h)
-    # query rows along x (a long prefill passes 65,535); batch x kv heads x head blocks along y,
-    # launched in slices of the batch where they would pass CUDA's 65,535
-    per_batch = Hkv * head_blocks
-    check_grid((Sq, per_batch), NAME, f"{Hkv} kv heads x {head_blocks} head blocks")
-    step = max(1, _common.GRID_YZ_MAX // per_batch)
-    for b0 in range(0, B, step):
-        b1 = min(B, b0 + step)
-        _sparse_attention_fwd[(Sq, (b1 - b0) * per_batch)](
-            q, k, v, indices, m, out,
-            *q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, *out.stride(),
-            Hkv, group, head_blocks, Sk, topk, D, Dv,
-            float(scale), int(causal_offset), b0,
-            MASK_KIND=mask_kind, CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+class _Launch:
+    """What a launch decides from everything but the key count and causal offset (read per
+    call: a decode step's context grows by one each step): blocks, grid slices, constexprs."""
+
+    __slots__ = ("B", "Hq", "Sq", "D", "Hkv", "Dv", "topk", "group", "head_blocks", "slices", "meta")
+
+    def __init__(self, q, k, v, indices, mask, causal, zero_empty_rows, config):
+        B, Hq, Sq, D = q.shape
+        Hkv, Dv = k.shape[1], v.shape[3]
+        self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, Hkv, Dv
+        self.topk, self.group = indices.shape[2], Hq // Hkv
+        # the head tile is padded to 16 rows (tl.dot's minimum) when the group is smaller
+        block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(self.group)))
+        block_n = _block(config, "BLOCK_N")
+        self.head_blocks = head_blocks = cdiv(self.group, block_h)
+        # query rows along x (a long prefill passes 65,535); batch x kv heads x head blocks along y,
+        # launched in slices of the batch where they would pass CUDA's 65,535
+        per_batch = Hkv * head_blocks
+        check_grid((Sq, per_batch), NAME, f"{Hkv} kv heads x {head_blocks} head blocks")
+        step = max(1, _common.GRID_YZ_MAX // per_batch)
+        self.slices = [(b0, (Sq, (min(B, b0 + step) - b0) * per_batch)) for b0 in range(0, B, step)]
+        self.meta = dict(
+            MASK_KIND=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+            CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
             BLOCK_H=block_h, BLOCK_N=block_n,
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -232,7 +221,60 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
             DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
+
+
+_launches = LaunchPlans()
+
+
+def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
+    """Everything check_inputs and _Launch read but the key count and causal offset; None when
+    an input is not a tensor of the right rank (check_inputs then says what is wrong)."""
+    try:
+        Bk, Hkv, _, Dk = k.shape
+        Bv, Hv, _, Dv = v.shape
+        mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
+        return (q.shape, q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device, Bv, Hv, Dv, v.dtype, v.device,
+                indices.shape, indices.dtype, indices.device, mask_sig, scale, causal, zero_empty_rows)
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
+@retries_smaller(NAME)
+def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
+           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
+    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages. Checks and
+    decisions that do not depend on the key count are made once per signature."""
+    args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
+    signature = _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows)
+    if signature is None:
+        check_inputs(*args)
+    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    Sk = k.shape[2]
+    B, Hq, Sq, Dv = plan.B, plan.Hq, plan.Sq, plan.Dv
+    if not (v.shape[2] == Sk > 0 and type(causal_offset) is int
+            and (mask is None or broadcasts_to(mask.shape, (B, Hq, Sq, Sk)))):
+        check_inputs(*args)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
+    if B * Hq * Sq * Dv == 0:
+        return out
+    if mask is None:
+        m, mstrides = q, (0, 0, 0, 0)
+    else:
+        m, mstrides = mask, strides_as(mask, (B, Hq, Sq, Sk))  # stride 0 on broadcast dims, no copy
+    strides = (*q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, Hq * Sq * Dv, Sq * Dv, Dv, 1)
+    for b0, grid in plan.slices:
+        _sparse_attention_fwd[grid](
+            q, k, v, indices, m, out, *strides,
+            plan.Hkv, plan.group, plan.head_blocks, Sk, plan.topk, plan.D, Dv,
+            float(scale), causal_offset, b0, **plan.meta,
+        )
     return out
+
+
+def _checked_launch(args: tuple, config) -> _Launch:
+    check_inputs(*args)
+    q, k, v, indices, mask, _, causal, _, zero_empty_rows = args
+    return _Launch(q, k, v, indices, mask, causal, zero_empty_rows, config)
 
 
 def index_keep_mask(indices: torch.Tensor, Sk: int) -> torch.Tensor:

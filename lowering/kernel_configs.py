@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -102,6 +104,9 @@ _SPLITTING = ("attention", "mla_decode", "fp8_gemm")
 
 # device type -> (arch, overrides) of the target metainfer last compiled for on it
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+# (kernel, device, head_dim, dtype) -> (the activation it was built under, its config, read-only):
+# a launch looks its row up per call, and building it (row, overrides, device SMs) costs microseconds
+_configs: dict[tuple, tuple[Any, Mapping[str, Any]]] = {}
 
 
 def activate(target) -> None:
@@ -121,8 +126,19 @@ def _row(device: torch.device) -> tuple[str, dict]:
 
 
 def config_for(kernel: str, device: torch.device, *, head_dim: int = 0, dtype: torch.dtype | None = None
-               ) -> dict[str, Any]:
-    """The launch config for `kernel` on `device` (attention: for `head_dim` in `dtype`)."""
+               ) -> Mapping[str, Any]:
+    """The launch config for `kernel` on `device` (attention: for `head_dim` in `dtype`), read-only."""
+    key = (kernel, device, head_dim, dtype)
+    activation = _active.get(device.type)  # kept in the entry: `is` cannot match a reused id
+    hit = _configs.get(key)
+    if hit is not None and hit[0] is activation:
+        return hit[1]
+    cfg = MappingProxyType(_build_config(kernel, device, head_dim, dtype))
+    _configs[key] = (activation, cfg)
+    return cfg
+
+
+def _build_config(kernel: str, device: torch.device, head_dim: int, dtype: torch.dtype | None) -> dict[str, Any]:
     arch, overrides = _row(device)
     over = overrides.get(kernel, {})
     cfg = {**config_for_arch(kernel, arch, head_dim=head_dim, dtype=dtype), **over}

@@ -24,10 +24,10 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     compiled = {(r["kernel"], r["arch"]) for r in results if r["status"] == "ok"}
     kernels = {r["kernel"] for r in results if r["status"] == "ok"}
-    # every launched kernel: moe's two, the merge of key splits, fp8_gemm's split-K sum, the dense
-    # redo of sparse attention's unselected rows
-    assert len(kernels) == 14, sorted(kernels)
-    assert {"_flash._combine_splits", "fp8_gemm._sum_splits"} <= kernels
+    # every launched kernel: moe's four (routing sort, two GEMMs, pair sum), the merge of key splits,
+    # fp8_gemm's split-K sum, the dense redo of sparse attention's unselected rows
+    assert len(kernels) == 16, sorted(kernels)
+    assert {"_flash._combine_splits", "fp8_gemm._sum_splits", "moe._moe_align", "moe._moe_sum"} <= kernels
     assert compiled == {(k, a) for k in kernels for a in aot.ARCHS}
     # the decode paths: key splits of attention and MLA (dense and top-k), small-M split-K GEMMs
     cases = {(r["kernel"], r["case"]) for r in results if r["status"] == "ok"}

@@ -281,19 +281,19 @@ def test_combine_merges_partial_softmax_states(dim, zero_empty, interpret):
     from metainfer.kernels._flash import combine_splits, split_workspace
 
     splits, rows = 3, 37
-    acc, ml = split_workspace(splits, rows, dim, "cpu")
+    acc, ml = split_workspace(splits, rows, dim, torch.empty(0))
     m, l = torch.randn(splits, rows) * 3, torch.rand(splits, rows) + 0.5
     empty = torch.rand(splits, rows) < 0.3
     empty[:, :2] = True  # rows 0 and 1: no key in any split
     m, l = m.masked_fill(empty, float("-inf")), l.masked_fill(empty, 0.0)
-    acc.copy_(torch.randn(splits, rows, dim).masked_fill(empty[..., None], 0.0))
-    ml.copy_(torch.stack([m, l], -1))
+    acc = acc.view(splits, rows, dim).copy_(torch.randn(splits, rows, dim).masked_fill(empty[..., None], 0.0))
+    ml.view(splits, rows, 2).copy_(torch.stack([m, l], -1))
     w = torch.exp(m - m.amax(0).nan_to_num(neginf=0.0))
     want = (w[..., None] * acc).sum(0) / (w * l).sum(0)[:, None]
     if zero_empty:
         want = want.nan_to_num(nan=0.0)
     out = torch.empty(rows, dim + 3)[:, :dim]  # rows strided wider than dim
-    combine_splits(acc, ml, out, zero_empty)
+    combine_splits(acc, ml, splits, out, rows, dim, zero_empty, row_stride=out.stride(0))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert torch.isnan(out[:2]).all() != zero_empty
 

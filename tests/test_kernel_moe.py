@@ -134,6 +134,38 @@ def test_align_by_expert(T, E, Kk, bm, seed, bad):
         assert (rows.diff() > 0).all()
 
 
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 80), E=st.integers(1, 40), Kk=st.integers(1, 6), bm=st.sampled_from([16, 32, 64]),
+       seed=st.integers(0, 2**31 - 1), bad=st.booleans(), int32=st.booleans(), strided=st.booleans())
+def test_align_kernel_matches_the_torch_sort(T, E, Kk, bm, seed, bad, int32, strided, interpret):
+    """_moe_align (one program) against align_by_expert's torch ops: the same pair order, padding
+    and tile experts, bit for bit; pair counts across its 64-pair steps, more experts than 16,
+    out-of-range ids (dropped), int32 ids and a strided (transposed) id tensor."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T, Kk), generator=g)
+    if bad:
+        ids[torch.rand(T, Kk, generator=g) < 0.2] = E + 3
+        ids[0, 0] = -1
+    ids = ids.to(torch.int32) if int32 else ids
+    if strided:
+        ids = ids.t().contiguous().t()  # same values, column-major
+    want_sorted, want_experts, _ = K.align_by_expert(ids, E, bm)
+    got_sorted, got_experts = K.launch_align(ids, E, bm)
+    assert torch.equal(got_sorted, want_sorted) and got_sorted.dtype == want_sorted.dtype
+    assert torch.equal(got_experts, want_experts)
+
+
+def test_launch_routes_with_either_align_path(interpret):
+    """The one-program align (decode) and the torch ops (ALIGN_MAX_PAIRS 0) give the same output."""
+    p = dict(dtype=torch.float32, T=11, E=6, K=3, H=24, I=20, fp8=False, block_n=128, block_k=128, fused=True,
+             tw_fp32=True, strided=False, active_frac=1.0, seed=9)
+    args = make(p)
+    one = K.launch(*args, config=CFG)
+    torch_ops = K.launch(*args, config={**CFG, "ALIGN_MAX_PAIRS": 0})
+    assert torch.equal(one, torch_ops)
+    check(one, K.reference(*args), torch.float32)
+
+
 def test_out_of_range_ids_contribute_zero(interpret):
     p = dict(dtype=torch.float32, T=7, E=4, K=2, H=24, I=20, fp8=False, block_n=128, block_k=128, fused=True,
              tw_fp32=True, strided=False, active_frac=1.0, seed=3)

@@ -7,10 +7,11 @@ Each op is called through its dispatch (`torch.ops.metainfer.*`; the paged kerne
 launcher, its op reads the engine's pool) on decode-sized CPU tensors; the attention ops see a
 context one key longer at each call (16 lengths in turn), as decode steps do, with the
 launchers deciding as on an sm_89 GPU (lowering/aot.py's recording: every `kernel[grid](...)`
-is dropped, so what is timed is dispatch, input checks, config lookup, grid and workspace
-set-up). Median over `--repeats` runs of `--calls` calls, in microseconds per call; the
+is dropped, only its kernel's name kept, so what is timed is dispatch, input checks, config
+lookup, grid and workspace set-up). The first line is a yardstick: an op with an empty body, the dispatcher's floor (this
+VM's speed moves by tens of percent between runs). Median over `--repeats` runs of `--calls` calls, in microseconds per call; the
 machine and its load are printed beside them. `--json`: the last line is
-{"ops": {"op name": microseconds, ...}}.
+{"ops": {"op name": microseconds, ...}, "yardstick_us": ...}.
 
 On a GPU these costs add up per layer per step unless the step is replayed from a CUDA graph;
 a CPU's figures are an upper bound of a GPU host's (faster cores), not a GPU measurement.
@@ -105,6 +106,22 @@ def rotating(calls: list):
     return lambda: next(turn)()
 
 
+def yardstick(calls: int, repeats: int) -> float:
+    """Microseconds per call of an op with two arguments and an empty body, defined as
+    lowering/ops.py defines metainfer's: the dispatcher's own floor on this host, printed
+    beside the figures since a shared 2-core VM's speed moves between runs."""
+    lib = torch.library.Library("launch_overhead_yardstick", "FRAGMENT")
+    out = torch.empty(1)
+
+    def nothing(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return out
+
+    lib.define("nothing" + torch.library.infer_schema(nothing, mutates_args=()))
+    lib.impl("nothing", nothing, "CompositeExplicitAutograd")
+    op, x = torch.ops.launch_overhead_yardstick.nothing, torch.empty(4)
+    return measure(lambda: op(x, 1e-6), calls, repeats, [])
+
+
 def measure(call, calls: int, repeats: int, launches: list) -> float:
     for _ in range(20):
         call()
@@ -129,13 +146,15 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"host: {os.cpu_count()} CPUs, load {load:.2f}, torch {torch.__version__}, {a.threads} thread(s); "
           f"launches stubbed, decisions as on sm_89")
+    floor = round(yardstick(a.calls, a.repeats), 2)
+    print(f"  {'(yardstick: an empty two-argument op)':40s} {floor:8.2f} us/call", flush=True)
     results = {}
-    with kernels.interpret(True), aot._recording(89) as launches:
+    with kernels.interpret(True), aot._recording(89, names_only=True) as launches:
         for name, call in cases().items():
             results[name] = round(measure(call, a.calls, a.repeats, launches), 1)
             print(f"  {name:40s} {results[name]:8.1f} us/call", flush=True)
     if a.json:
-        print(json.dumps({"ops": results}))
+        print(json.dumps({"ops": results, "yardstick_us": floor}))
     return 0
 
 

@@ -83,11 +83,13 @@ def launched_kernels() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _recording(cc: int):
-    """Launches are recorded, not run; launchers that ask for the GPU's capability get `cc`'s."""
+def _recording(cc: int, names_only: bool = False):
+    """Launches are recorded, not run; launchers that ask for the GPU's capability get `cc`'s.
+    `names_only`: record each launch's kernel name alone (bench/launch_overhead.py times the
+    launchers around it, so the stub itself should cost next to nothing)."""
     from metainfer.kernels import _common
 
-    launches: list[Launch] = []
+    launches: list = []
     kernels = launched_kernels()
     saved = []
     for qualified, fn in kernels.items():
@@ -98,7 +100,13 @@ def _recording(cc: int):
                 self.qualified, self.fn = qualified, fn
 
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: launches.append(Launch(self.qualified, self.fn, args, kwargs))
+                return self.name if names_only else self.record
+
+            def record(self, *args, **kwargs):
+                launches.append(Launch(self.qualified, self.fn, args, kwargs))
+
+            def name(self, *args, **kwargs):
+                launches.append(self.qualified)
 
         saved.append((module, qualified.split(".")[1], fn))
         setattr(module, qualified.split(".")[1], _Recorder())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metainfer.lowering import ops
+from metainfer.kernels import ops
 from metainfer.models.deepseek import weight_dequant
 
 

@@ -55,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 
 try:
     from metainfer import kernels as K  # noqa: E402
-    from metainfer.lowering.kernel_configs import config_for  # noqa: E402
+    from metainfer.kernels.configs import config_for  # noqa: E402
 except ImportError as e:  # the package-dir mapping needs an install
     sys.exit(f"cannot import metainfer ({e}); run `pip install --no-deps --no-build-isolation -e .` first")
 
@@ -273,7 +273,7 @@ def _dispatch(dev, f):
     torch.ops.metainfer (the custom-op body that picks the kernel), against the kernels'
     references, each at its own scale; the paged ops run in the end-to-end check's
     generate_batch."""
-    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer)
+    from metainfer.kernels import ops  # noqa: F401  (registers torch.ops.metainfer)
 
     mi, dt, g = torch.ops.metainfer, torch.bfloat16, torch.Generator(dev).manual_seed(0)
 
@@ -392,7 +392,7 @@ def _autotune_candidates(dev, f):
     d128/d256) and fp8_gemm rows (decode and prefill M), each run once as a fixed config
     against the reference: triton.autotune would pick any of them."""
     from metainfer.kernels import fp8_gemm as G
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     arch, outs, refs = _gpu_arch(dev), [], []
     for d, dt in ((64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32),
@@ -581,7 +581,7 @@ def _activate_this_gpu() -> None:
     import dataclasses
 
     from metainfer import targets
-    from metainfer.lowering import kernel_configs
+    from metainfer.kernels import configs as kernel_configs
 
     major, minor = torch.cuda.get_device_capability()
     base = targets.get("cuda")

@@ -34,8 +34,9 @@ import torch  # noqa: E402
 
 from metainfer import kernels  # noqa: E402
 from metainfer.kernels import paged_attention  # noqa: E402
-from metainfer.lowering import aot, ops  # noqa: E402,F401  (registers torch.ops.metainfer)
-from metainfer.lowering.kernel_configs import config_for  # noqa: E402
+from metainfer.kernels import ops  # noqa: E402,F401  (registers torch.ops.metainfer)
+from metainfer.lowering import aot  # noqa: E402
+from metainfer.kernels.configs import config_for  # noqa: E402
 
 
 def cases() -> dict:
@@ -108,7 +109,7 @@ def rotating(calls: list):
 
 def yardstick(calls: int, repeats: int) -> float:
     """Microseconds per call of an op with two arguments and an empty body, defined as
-    lowering/ops.py defines metainfer's: the dispatcher's own floor on this host, printed
+    kernels/ops.py defines metainfer's: the dispatcher's own floor on this host, printed
     beside the figures since a shared 2-core VM's speed moves between runs."""
     lib = torch.library.Library("launch_overhead_yardstick", "FRAGMENT")
     out = torch.empty(1)

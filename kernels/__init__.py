@@ -1,8 +1,10 @@
 """Triton kernels, one per file, each with its launcher and its plain-torch reference.
 
-Kernels are plain functions here; `metainfer.lowering.ops` exposes them as
-`torch.library.custom_op`s and decides, per call, whether the Triton kernel or the CPU
-path runs.
+Kernels are plain functions here; `metainfer.kernels.ops` registers them as dispatcher ops
+(torch.ops.metainfer.*, what the passes insert) and decides, per call, whether the Triton kernel
+or the CPU path runs. `configs` holds their launch configs per GPU architecture and target;
+`kv_pool` and `symm_mem` the runtime state some ops read (the serving step's KV pool, CUDA
+symmetric-memory buffers).
 
 Triton's interpreter (which runs kernels on CPU tensors) is chosen when a kernel is
 *decorated*, so the switch is made when the metainfer package is imported, before anything

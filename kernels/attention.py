@@ -243,7 +243,7 @@ def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, a
 @retries_smaller(NAME)
 def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False,
            softcap: float = 0.0, window: int = 0, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
+    """Run the Triton kernel. `config` (kernels/configs.py) holds BLOCK_M, BLOCK_N,
     num_warps, num_stages; the key split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to
     force a count, see _common.split_count); and AUTOTUNE, alternatives that triton.autotune times
     against the row's own config on a CUDA GPU (elsewhere the row's config runs).

@@ -71,7 +71,7 @@ NAME = "fp8_gemm"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-# Two config rows (lowering/kernel_configs.py adds SM_COUNT); BLOCK_N / BLOCK_K are clamped to
+# Two config rows (kernels/configs.py adds SM_COUNT); BLOCK_N / BLOCK_K are clamped to
 # block_n / block_k at launch, BLOCK_M to M rounded up to a power of two (at least 16).
 # SMALL_M: decode-sized M, the first row with M <= MAX_M replaces the blocks (and AUTOTUNE).
 # Split-K (M <= SPLIT_MAX_M and fewer output tiles than SM_COUNT): K cut into splits of at
@@ -351,7 +351,7 @@ _launches = LaunchPlans()
 
 @retries_smaller(NAME)
 def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` (lowering/kernel_configs.py) holds BLOCK_M, BLOCK_N,
+    """Run the Triton kernel. `config` (kernels/configs.py) holds BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
     alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""

@@ -30,7 +30,7 @@ P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation 
   TOPK index slots, is split over several programs (flash-decoding, grid axis 2): each writes its
   unnormalised accumulator, row max and sum of exp to a float32 workspace, and
   `_flash.combine_splits` merges them exactly. How many splits: `_common.split_count` from the
-  config (lowering/kernel_configs.py: below SM_COUNT programs, >= SPLIT_MIN keys each).
+  config (kernels/configs.py: below SM_COUNT programs, >= SPLIT_MIN keys each).
   Causal: a program's keys stop at its row's limit, so splits past it write an empty state.
 - `cpu_forward`: torch, chunked over queries (dense: O(chunk x T) scores; sparse: gathers the
   selected ckv/kpe rows, O(chunk x TOPK x R)).
@@ -54,11 +54,11 @@ NAME = "mla_decode"
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 128
 
-# Suggested launch rows (the lead wires them into lowering/kernel_configs.py).
+# Suggested launch rows (the lead wires them into kernels/configs.py).
 # BLOCK_H: heads per program (power of two >= 16; the tile is min(BLOCK_H, max(16, next_pow2(H)))
 # rows); BLOCK_N: cache positions (or selected indices) per step (>= 16).
 # SPLIT_MIN / MAX_SPLITS: the decode key split (see launch), with SM_COUNT from
-# lowering/kernel_configs.py.
+# kernels/configs.py.
 DEFAULT_CONFIGS = {
     "interpreter": {"BLOCK_H": 16, "BLOCK_N": 16, "SPLIT_MIN": 16, "MAX_SPLITS": 4},
     # R=512, P=64, bf16, sm_90: compiled ahead of time with Triton 3.9 (no run): 255 registers,

@@ -41,7 +41,7 @@ NAME = "moe"
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
-# Suggested launch rows (the lead wires them into lowering/kernel_configs.py). BLOCK_M tiles the
+# Suggested launch rows (the lead wires them into kernels/configs.py). BLOCK_M tiles the
 # sorted (token, k) rows, BLOCK_N a GEMM's output dim, BLOCK_K its reduction dim; with FP8
 # weights BLOCK_N/BLOCK_K are clamped to block_n/block_k so one scale covers a whole tile.
 DEFAULT_CONFIGS = {

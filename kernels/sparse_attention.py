@@ -43,7 +43,7 @@ NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-# Suggested launch rows (the lead wires them into lowering/kernel_configs.py).
+# Suggested launch rows (the lead wires them into kernels/configs.py).
 # BLOCK_H: query heads of one kv group per program (power of two >= 16; the tile is
 # min(BLOCK_H, max(16, next_pow2(group))) rows); BLOCK_N: selected keys per step (>= 16).
 DEFAULT_CONFIGS = {

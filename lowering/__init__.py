@@ -1,9 +1,6 @@
-"""Lowering: the Dynamo/Inductor backend, metainfer's custom ops, per-target kernel configs.
-
-`ops` registers torch.ops.metainfer.*; `backend` holds the Dynamo backend (imported on
-demand: it pulls in the passes, which themselves insert these ops).
+"""Lowering: the Dynamo/Inductor backend (`backend`, imported on demand: it pulls in the
+passes), ahead-of-time compiles for GPU architectures (`aot`), the graph sections and the
+compiled-graph cache. The ops the passes emit, their kernel configs and the runtime state they
+read (the serving pool, symmetric-memory buffers) are in metainfer.kernels: lowering depends on
+passes and kernels, never the reverse.
 """
-
-from . import kernel_configs, ops, symm_mem  # noqa: F401
-
-__all__ = ["kernel_configs", "ops"]

@@ -2,7 +2,7 @@
 
 Triton's own compiler (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) runs for a GPUTarget
 without a device. Each kernel's launcher is called on small CPU tensors with the launch
-config of the architecture (lowering/kernel_configs.py); the launch is recorded instead of run,
+config of the architecture (kernels/configs.py); the launch is recorded instead of run,
 and the recorded arguments (types, constexprs, num_warps / num_stages) are compiled for each
 architecture. A kernel fails when Triton or ptxas rejects it, or when it needs more shared
 memory per block than the architecture has, or more registers per block (registers per thread
@@ -206,7 +206,7 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
 
     from metainfer.kernels import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
         sparse_attention, glu, token_ids
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     bf16, f32, e4m3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
     g = torch.Generator().manual_seed(0)
@@ -340,7 +340,7 @@ def _autotune_cases() -> list[tuple[str, str, Callable[[str], Any]]]:
     import torch
 
     from metainfer.kernels import attention, fp8_gemm
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     bf16 = torch.bfloat16
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,9 @@ from torch._dynamo.utils import counters
 
 from metainfer.passes import PassManager
 
-from . import compile_cache, kernel_configs, symm_mem
+from metainfer.kernels import configs as kernel_configs, symm_mem
+
+from . import compile_cache
 from .section import GraphSection
 
 LOWERINGS = ("inductor", "aot_eager")

@@ -228,7 +228,7 @@ def measure_custom_op_overheads(calls: int = 16) -> dict[str, float]:
     received tokens (its CPU path loops over them on the host): `moe_experts_per_expert`."""
     import torch
 
-    import metainfer.lowering.ops  # noqa: F401  (registers the ops)
+    import metainfer.kernels.ops  # noqa: F401  (registers the ops)
 
     ops, f32 = torch.ops.metainfer, torch.float32
     r = lambda *shape: torch.randn(*shape)  # noqa: E731

@@ -123,7 +123,7 @@ class TokenGuard:
 def _safe_copy(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     from metainfer import kernels
     from metainfer.kernels import token_ids
-    from metainfer.lowering.kernel_configs import config_for
+    from metainfer.kernels.configs import config_for
 
     if kernels.use_triton(ids):
         return token_ids.launch(ids, vocab, config=config_for("token_ids", ids.device))

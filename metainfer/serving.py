@@ -18,7 +18,7 @@ is its compiler and kernels:
 - the engine's per-layer cache update is compiler-disabled (a graph break in every layer);
   while metainfer serves, each engine cache's `update` only hands the layer's read and write
   indices to the attention op, which writes the new keys and values into the pool itself, so
-  a step is one graph. The pool is reached through lowering/kv_pool.py, not as a graph input;
+  a step is one graph. The pool is reached through kernels/kv_pool.py, not as a graph input;
 - the KV pool is sized by metainfer where the engine's config leaves it open: the smallest of
   the target's memory, the machine's available memory and the workload's need (choose_capacity);
 - a request that cannot be served (empty, not token ids, ids outside the vocabulary, longer
@@ -180,7 +180,7 @@ class _Step:
             allocator = cache.layer_to_allocator[layer]
             return (allocator._latent_token_views if _is_mla(allocator) else allocator._kv_token_views)[layer]
 
-        from metainfer.lowering import kv_pool
+        from metainfer.kernels import kv_pool
 
         return kv_pool.active(views)
 

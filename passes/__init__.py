@@ -3,7 +3,11 @@
 Each pass has a `name`, a one-line docstring `before -> after`, the device kinds it applies
 to, and `run(graph, ctx) -> PassResult`. `PassManager` runs a pipeline and records what each
 pass did; `pipeline.default_pipeline(target)` is the order used when none is given.
+The ops the passes insert (torch.ops.metainfer.*) are registered once, here, by
+metainfer.kernels.ops.
 """
+
+from metainfer.kernels import ops as _ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import FunctionPass, Pass, PassContext, PassResult, get_pass, pass_names, register
 from .manager import PassError, PassManager, PassRecord, graph_text

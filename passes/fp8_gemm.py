@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import Pass, PassContext, PassResult, register
 from .fp8_dequant import NotDequant, find_dequant

@@ -30,7 +30,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
 from metainfer.kernels.attention import MAX_HEAD_DIM
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from . import mask_analysis as ma

@@ -12,7 +12,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import register
 from .fuse_swiglu import gate_up_proof

@@ -29,7 +29,6 @@ import torch
 
 from metainfer import targets
 from metainfer.kernels.moe import FP8_DTYPES as KERNEL_FP8
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register

@@ -16,7 +16,6 @@ import itertools
 
 import torch
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import register
 from .matching import FLOAT_DTYPES, aten, dtype, is_op, is_scalar, same, same_shape, shape

@@ -13,7 +13,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from .base import register
 from .matching import FLOAT_DTYPES, dtype, same_shape, shape, silu_input

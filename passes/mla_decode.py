@@ -24,7 +24,6 @@ import operator
 
 import torch
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register

@@ -5,7 +5,7 @@ size on the target.
       -> ring:          unchanged (the library's default)
       -> hierarchical:  wait(all_gather(wait(all_reduce(wait(reduce_scatter(flat(x), island)),
                                                           across)), island))
-      -> one_shot / two_shot: metainfer::symm_mem_all_reduce (lowering/symm_mem.py), torch's
+      -> one_shot / two_shot: metainfer::symm_mem_all_reduce (kernels/symm_mem.py), torch's
                         P2P kernels on CUDA symmetric memory; only where CUDA, P2P and
                         symmetric memory exist, never on CPU. Through the collective library a
                         reduce-scatter + all-gather is two rings, i.e. the ring's own time, so
@@ -66,7 +66,7 @@ def _symmetric_memory_available(target) -> bool:
     rank picks them while another does not."""
     if target.device.kind != "cuda" or not target.topology.p2p:  # the same answer on every rank
         return False
-    from metainfer.lowering import symm_mem
+    from metainfer.kernels import symm_mem
 
     world = dist.group.WORLD.group_name if dist.is_available() and dist.is_initialized() else ""
     if world not in _AGREED:
@@ -80,7 +80,7 @@ def _symmetric_memory_available(target) -> bool:
 def _reserve_symmetric(group_name: str, dtype: torch.dtype, numel: int) -> str | None:
     """Allocate and exchange this all-reduce's symmetric buffer now, on every rank of the group;
     None if all did, else the first failure (every rank then declines the same way)."""
-    from metainfer.lowering import symm_mem
+    from metainfer.kernels import symm_mem
 
     why = symm_mem.reserve(group_name, dtype, numel)
     verdicts = ranks.exchange(why, group_name) if dist.get_backend() != "fake" else [why]

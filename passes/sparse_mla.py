@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
 from . import base
 from .base import Pass, PassContext, PassResult, register

@@ -177,7 +177,7 @@ def test_attention_on_a_cpu_is_priced_by_the_path_it_takes():
     exactly that (Dv == D, no mask with causal), else a chunked path that writes the fp32 score
     matrix and reads it back (scale, causal mask, softmax, p @ v): by hand, 8 passes over
     B H Sq Sk floats, and every score computed (no causal half)."""
-    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+    from metainfer.kernels import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
     t = targets.get("cpu")  # 126 GFLOP/s fp32, 20.5 GB/s, 5 us a kernel
     B, H, S = 1, 4, 256
@@ -202,7 +202,7 @@ def test_windowed_and_soft_capped_attention_prices():
     a CPU a soft-cap or window leaves torch's fused kernel (it has neither): the chunked path,
     whose score matrix a soft-cap reads and writes 6 more times (divide, tanh, multiply); at
     this size one chunk holds every row, so every key is scored. By hand."""
-    from metainfer.lowering import ops  # noqa: F401  (registers torch.ops.metainfer.*)
+    from metainfer.kernels import ops  # noqa: F401  (registers torch.ops.metainfer.*)
 
     B, H, S, D, W = 1, 4, 256, 64, 32
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))

@@ -92,7 +92,7 @@ def test_symmetric_buffers_are_freed_with_the_models_that_reserved_them(monkeypa
     owner; the buffer lives while any owner does."""
     import gc
 
-    from metainfer.lowering import symm_mem
+    from metainfer.kernels import symm_mem
 
     made = []
     monkeypatch.setattr(symm_mem, "_allocate", lambda n, dt, dev, group: made.append(group) or torch.empty(n, dtype=dt))

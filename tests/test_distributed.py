@@ -260,7 +260,7 @@ def symmetric_memory_selection(rank, world, available, refusing_rank=None):
     """The pass's choice where P2P kernels would be available (pretended here: the graph is
     only analysed, never run, since the op has no CPU implementation) and where not; with
     `refusing_rank`, that rank's symmetric buffer cannot be allocated (a container refusing IPC)."""
-    from metainfer.lowering import symm_mem
+    from metainfer.kernels import symm_mem
     from metainfer.passes import select_collectives as sc
 
     sc._symmetric_memory_available = lambda target: available

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from metainfer.kernels import KernelInputError
 from metainfer.kernels import attention as A
-from metainfer.lowering.kernel_configs import config_for
+from metainfer.kernels.configs import config_for
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -301,7 +301,7 @@ def test_combine_merges_partial_softmax_states(dim, zero_empty, interpret):
 # ---- triton.autotune (CUDA only): the launch path through the tuner, every candidate --------------
 
 def _gpu_rows():
-    from metainfer.lowering.kernel_configs import _ATTENTION
+    from metainfer.kernels.configs import _ATTENTION
 
     return [(arch, limit) for arch in ("sm_89", "sm_90") for limit, _ in _ATTENTION[arch]]
 
@@ -310,7 +310,7 @@ def _gpu_rows():
 def test_every_autotune_candidate_matches_reference(arch, width, interpret):
     """Each CUDA row's config and AUTOTUNE alternatives, run as the fixed config: a prefill-sized
     and a decode-sized (query tile clamped to 16 rows, keys split) problem."""
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     row = config_for_arch("attention", arch, head_dim=width)
     D = min(width, 64)  # a narrower head keeps the interpreter quick; the row's tiles are what vary
@@ -327,7 +327,7 @@ def test_autotuned_launch_path(interpret, monkeypatch):
     """The tuned launch (as on a GPU) under the interpreter, its benchmark stubbed: every candidate
     is timed once per shape bucket and the one the stub calls fastest computes the result."""
     from metainfer.kernels import _common
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     assert not _common.autotune_enabled(torch.device("cpu"))
     monkeypatch.setattr(_common, "AOT_CAPABILITY", (9, 0))
@@ -357,7 +357,7 @@ def test_target_overrides_pin_the_config(monkeypatch):
     are dropped unless it gives its own; SM_COUNT comes from the device on a GPU."""
     from types import SimpleNamespace
 
-    from metainfer.lowering import kernel_configs as KC
+    from metainfer.kernels import configs as KC
 
     monkeypatch.setattr(KC, "_active", {})
     monkeypatch.setattr(KC, "_device_sms", lambda device: 66)

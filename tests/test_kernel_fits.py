@@ -10,7 +10,7 @@ import torch
 from metainfer.kernels import _common
 from metainfer.kernels import attention as A
 from metainfer.kernels import mla_decode as MLA
-from metainfer.lowering.kernel_configs import config_for_arch
+from metainfer.kernels.configs import config_for_arch
 
 
 def test_float32_wide_heads_get_rows_of_their_own():

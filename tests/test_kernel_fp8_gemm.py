@@ -373,7 +373,7 @@ def test_split_k_matches_reference(p, splits, interpret):
 def test_small_m_rows_and_split_k_chosen_by_shape(interpret):
     """M picks the SMALL_M row (decode) or the base row; split-K only for small M over few output
     tiles (the interpreter row pretends to 4 SMs), and only along whole scale groups."""
-    from metainfer.lowering.kernel_configs import config_for, config_for_arch
+    from metainfer.kernels.configs import config_for, config_for_arch
 
     gpu = config_for_arch("fp8_gemm", "sm_90")
     assert [K._row_for_m(gpu, m)[0]["BLOCK_M"] for m in (1, 16, 17, 32, 64, 65, 4096)] == [16, 16, 32, 32, 64, 64, 64]
@@ -393,7 +393,7 @@ def test_small_m_rows_and_split_k_chosen_by_shape(interpret):
 
 
 def _candidate_rows():
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     gpu = config_for_arch("fp8_gemm", "sm_90")
     return [(f"M<={r['MAX_M']}" if "MAX_M" in r else "base", m) for r, m in
@@ -404,7 +404,7 @@ def _candidate_rows():
 def test_every_autotune_candidate_matches_reference(row, M, interpret):
     """Each CUDA row's config and AUTOTUNE alternatives (base and SMALL_M rows), as the fixed
     config, with split-K where the row would split on a GPU of 8 SMs."""
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     gpu = {**config_for_arch("fp8_gemm", "sm_90"), "SM_COUNT": 8, "SPLIT_MIN": 128}
     chosen, _ = K._row_for_m(gpu, M)
@@ -422,7 +422,7 @@ def test_autotuned_launch_path(interpret, monkeypatch):
     """The tuned launch (as on a GPU) under the interpreter, its benchmark stubbed: each M bucket
     times its row's candidates once, then reuses the choice; split-K goes through the tuner too."""
     from metainfer.kernels import _common
-    from metainfer.lowering.kernel_configs import config_for_arch
+    from metainfer.kernels.configs import config_for_arch
 
     monkeypatch.setattr(_common, "autotune_enabled", lambda device: True)
     timed = []

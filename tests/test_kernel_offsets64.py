@@ -22,7 +22,7 @@ def _store(elements, dtype):
 
 def attention_case():
     from metainfer.kernels import attention as A
-    from metainfer.lowering.kernel_configs import config_for
+    from metainfer.kernels.configs import config_for
 
     store = _store(2 * STRIDE + 24 * 16, torch.float16)
     k = store.as_strided((1, 3, 24, 16), (0, STRIDE, 16, 1))
@@ -46,7 +46,7 @@ def sparse_attention_case():
 
 def paged_attention_case():
     from metainfer.kernels import paged_attention as P
-    from metainfer.lowering.kernel_configs import config_for
+    from metainfer.kernels.configs import config_for
 
     # a pool stored head-major, (Hkv, rows, D), seen as (rows, Hkv, D)
     store = _store(2 * STRIDE + 40 * 16, torch.float16)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from metainfer.kernels import KernelInputError
 from metainfer.kernels import paged_attention as P
-from metainfer.lowering.kernel_configs import config_for
+from metainfer.kernels.configs import config_for
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

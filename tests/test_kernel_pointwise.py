@@ -9,7 +9,7 @@ from metainfer.kernels import KernelInputError
 from metainfer.kernels import rmsnorm as R
 from metainfer.kernels import rope as P
 from metainfer.kernels import glu as G
-from metainfer.lowering.kernel_configs import config_for
+from metainfer.kernels.configs import config_for
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

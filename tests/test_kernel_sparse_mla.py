@@ -376,7 +376,7 @@ def test_mla_batch1_decode_splits_the_cache(interpret):
     """One query row, one batch, one head block: a single program unless the cache is split; with
     the interpreter row's SM_COUNT (4) and splits of whole 16-key blocks, 70 keys make 3 splits
     of 32 and 40 top-k slots 2 of 32 (at least SPLIT_MIN = 16 each)."""
-    from metainfer.lowering.kernel_configs import config_for
+    from metainfer.kernels.configs import config_for
 
     g = torch.Generator().manual_seed(4)
     ql, qp = torch.randn(1, 16, 1, 64, generator=g), torch.randn(1, 16, 1, 16, generator=g)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from metainfer.kernels import KernelInputError
 from metainfer.kernels import token_ids as T
-from metainfer.lowering.kernel_configs import config_for
+from metainfer.kernels.configs import config_for
 
 
 @settings(max_examples=25, deadline=None)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-import metainfer.lowering.ops  # noqa: F401
+import metainfer.kernels.ops  # noqa: F401
 from metainfer import kernels
 
 m = torch.ops.metainfer
@@ -74,7 +74,7 @@ def test_outputs_contiguous_and_match_interpreted_kernels(op, args, interpret):
     with kernels.interpret(False):
         cpu = op(*args)
     triton = op(*args)
-    # the ops are not custom_op's (lowering/ops.py): nothing checks aliasing at run time, so here
+    # the ops are not custom_op's (kernels/ops.py): nothing checks aliasing at run time, so here
     inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
     for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (cpu, triton))):
         assert a.untyped_storage().data_ptr() not in inputs and b.untyped_storage().data_ptr() not in inputs
@@ -85,9 +85,9 @@ def test_outputs_contiguous_and_match_interpreted_kernels(op, args, interpret):
 
 def test_serving_ops_write_the_active_pool_and_read_it_back(interpret):
     """paged_attention / paged_latents write the new rows into the pool of the serving step on
-    this thread (lowering/kv_pool.py) and read each request's rows there; opcheck in that step."""
+    this thread (kernels/kv_pool.py) and read each request's rows there; opcheck in that step."""
     from metainfer.kernels import paged_attention as P
-    from metainfer.lowering import kv_pool
+    from metainfer.kernels import kv_pool
 
     k_pool, v_pool = torch.zeros(12, 2, 16), torch.zeros(12, 2, 16)
     k_pool[:5], v_pool[:5] = torch.randn(5, 2, 16), torch.randn(5, 2, 16)  # request 0's 5 cached keys
@@ -118,7 +118,7 @@ def test_a_ring_buffer_is_read_before_it_is_written():
     the step still reads (overwriting the oldest), so the op reads first. Request 0 holds 3 keys
     in rows 4, 5, 6 of a 3-slot ring and decodes one token, written to row 4 (its oldest)."""
     from metainfer.kernels import paged_attention as P
-    from metainfer.lowering import kv_pool
+    from metainfer.kernels import kv_pool
 
     sentinel = 1
     k_pool, v_pool = torch.randn(8, 1, 4), torch.randn(8, 1, 4)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from metainfer import models, targets
 from metainfer.kernels import fp8_gemm as F8
-from metainfer.lowering import ops
+from metainfer.kernels import ops
 from metainfer.passes import PassManager, get_pass
 from metainfer.testing import capture_graph, count_calls, run_pass, tiny_hf_model
 from metainfer.verify import mismatch

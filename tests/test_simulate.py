@@ -107,7 +107,7 @@ def test_trace_is_chrome_json(tmp_path):
 def test_a_symmetric_memory_all_reduce_blocks_the_compute_stream():
     """metainfer::symm_mem_all_reduce (P2P kernels) is priced with its algorithm and, being a
     kernel on the compute stream, fully exposed."""
-    import metainfer.lowering  # noqa: F401  (registers the op)
+    import metainfer.kernels.ops  # noqa: F401  (registers the op)
 
     b = Builder()
     x, w = b.input("x", 64, 4096), b.input("w", 4096, 4096)

@@ -98,7 +98,7 @@ def test_two_islands_need_an_inter_island_link(tmp_path):
 
 
 def test_kernel_overrides(tmp_path):
-    from metainfer.lowering import kernel_configs
+    from metainfer.kernels import configs as kernel_configs
 
     t = targets.load(_write(tmp_path, BASE + "\n[kernels.attention]\nBLOCK_M = 32\n"))
     assert t.kernels["attention"]["BLOCK_M"] == 32

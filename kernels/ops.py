@@ -1,4 +1,4 @@
-"""metainfer's custom ops: the opaque nodes passes put in the graph.
+"""metainfer's ops, all registered here: the opaque nodes passes put in the graph.
 
 Each op is defined in the dispatcher from its Python signature, with a fake (shape/dtype)
 implementation, so Dynamo, AOTAutograd and Inductor treat it as one extern call that no
@@ -31,8 +31,8 @@ from metainfer.kernels import rmsnorm as _rmsnorm
 from metainfer.kernels import rope as _rope
 from metainfer.kernels import glu as _glu
 
-from . import kv_pool
-from .kernel_configs import config_for
+from . import kv_pool, symm_mem  # noqa: F401  (symm_mem registers metainfer::symm_mem_all_reduce)
+from .configs import config_for
 
 _LIB = torch.library.Library("metainfer", "FRAGMENT")
 
@@ -240,7 +240,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tenso
     the new keys and values k, v (Tq, Hkv, D) are written into the KV pool at write_index and
     q (Tq, Hq, D) attends to each request's keys read in place at read_index (write_index when
     nothing is cached); without, k and v already hold every request's keys in cu_k order.
-    The pool is the serving step's (lowering/kv_pool.py), written as a collective writes its
+    The pool is the serving step's (kernels/kv_pool.py), written as a collective writes its
     peers' memory: a side effect outside the arguments, ordered by the data flow of layers.
     `window` > 0: each query sees its last `window` positions; `softcap` > 0: scores capped.
     `sentinel` >= 0: the layer's pool is a ring buffer (transformers' sliding-window layers): the
@@ -278,7 +278,7 @@ def paged_latents(latent: Tensor, rotated_key: Tensor, write_index: Tensor, read
     """One MLA layer's cache step: its new latents (Tq, R) and rotated keys (Tq, P) written into
     the serving step's pool at write_index, and every request's (cached + new) read back at
     read_index, in cu_k order (the new ones as they are when nothing is cached). As
-    paged_attention, the pool is reached through lowering/kv_pool.py."""
+    paged_attention, the pool is reached through kernels/kv_pool.py."""
     latent_pool, rotated_pool = kv_pool.layer_views(layer)
     latent_pool.index_copy_(0, write_index, latent.to(latent_pool.dtype))
     rotated_pool.index_copy_(0, write_index, rotated_key.to(rotated_pool.dtype))

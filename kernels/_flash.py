@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
+from ._common import cdiv, interpreted, next_pow2, strides_as
 
 
 @triton.jit
@@ -51,6 +51,29 @@ def normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS: tl.constexpr):
     if ZERO_EMPTY_ROWS:
         l_div = tl.where(l_div == 0.0, 1.0, l_div)
     return acc / l_div[:, None]
+
+
+# ---- launch arguments shared by the attention launchers -------------------------------------------
+
+def mask_kind(mask) -> int:
+    """The kernels' MASK_KIND: 0 no mask, 1 additive (float), 2 keep (bool)."""
+    return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
+
+
+def mask_operand(mask, like: torch.Tensor, shape: tuple) -> tuple:
+    """(tensor, strides) the kernels read a mask through: the mask broadcast to `shape` (stride 0
+    on broadcast dims, nothing copied); without one, `like` and zero strides (never read)."""
+    if mask is None:
+        return like, (0, 0, 0, 0)
+    return mask, strides_as(mask, shape)
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """DOT_PRECISION / DOT_UPCAST for `dot` on operands of `dtype`."""
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
+                # bits; under the interpreter they are upcast first (the GPU path is unaffected).
+                DOT_UPCAST=interpreted() and dtype == torch.bfloat16)
 
 
 # ---- key splits (flash-decoding) -----------------------------------------------------------------

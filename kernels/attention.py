@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
+from ._flash import (combine_splits, dot, dot_flags, mask_kind, mask_operand, normalise, soft_cap, softmax_step,
+                     split_workspace)
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
-                      check_qkv, fail, interpreted, next_pow2, retries_smaller, SplitRule, strides_as, tune_candidates)
+                      check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -194,7 +195,7 @@ class _Launch:
     def __init__(self, q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune):
         B, Hq, Sq, D = q.shape
         self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, k.shape[1], v.shape[3]
-        self.mask_kind = 0 if mask is None else 2 if mask.dtype == torch.bool else 1
+        self.mask_kind = mask_kind(mask)
         # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
         rows_cap = max(16, next_pow2(Sq))
 
@@ -214,10 +215,7 @@ class _Launch:
             MASK_KIND=self.mask_kind, CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0,
             ZERO_EMPTY_ROWS=bool(zero_empty_rows),
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
+            **dot_flags(q.dtype),
         )
         if len(self.candidates) <= 1:
             self.meta.update(BLOCK_M=self.block_m, BLOCK_N=self.block_n,
@@ -265,10 +263,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
     if B * Hq * Sq * Dv == 0:
         return out
-    if mask is None:
-        m, mstrides = q, (0, 0, 0, 0)
-    else:
-        m, mstrides = mask, strides_as(mask, (B, Hq, Sq, Sk))  # stride 0 on broadcast dims, no copy
+    m, mstrides = mask_operand(mask, q, (B, Hq, Sq, Sk))
     splits, split_keys = plan.split(Sk) if plan.split is not None else (1, max(Sk, 1))
     if splits > 1:
         if splits > GRID_YZ_MAX:

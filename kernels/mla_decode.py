@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import combine_splits, dot, normalise, softmax_step, split_workspace
+from ._flash import combine_splits, dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step, split_workspace
 from ._common import (GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
-                      check_grid, interpreted, next_pow2, strides_as)
+                      check_grid, next_pow2)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -250,14 +250,11 @@ class _Launch:
         self.split = SplitRule(config, Sq * B * self.head_blocks, block_n)
         self.meta = dict(
             HAS_INDICES=indices is not None,
-            MASK_KIND=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+            MASK_KIND=mask_kind(mask),
             CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
             BLOCK_H=block_h, BLOCK_N=block_n,
             BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
-            DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-            DOT_UPCAST=interpreted() and q_latent.dtype == torch.bfloat16,
+            **dot_flags(q_latent.dtype),
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
 
@@ -299,10 +296,7 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
     if B * H * Sq * R == 0:
         return out
-    if mask is None:
-        m, mstrides = q_latent, (0, 0, 0, 0)
-    else:
-        m, mstrides = mask, strides_as(mask, (B, H, Sq, T))  # stride 0 on broadcast dims, no copy
+    m, mstrides = mask_operand(mask, q_latent, (B, H, Sq, T))
     idx, istrides = (q_latent, (0, 0, 0)) if indices is None else (indices, indices.stride())
     splits, split_keys = plan.split(T if indices is None else plan.topk)
     if splits > 1:

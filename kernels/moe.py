@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot
-from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability, interpreted,
+from ._flash import dot, dot_flags
+from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
                       next_pow2, signature)
 
 NAME = "moe"
@@ -428,10 +428,7 @@ class _Launch:
                         (I, 1, *w_down.stride(), *sd, *topk_weights.stride(), H, 1))
         self.meta = dict(
             FP8=fp8, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16 bits;
-            # under the interpreter they are upcast first (the GPU path is unaffected).
-            DOT_UPCAST=interpreted() and x.dtype == torch.bfloat16,
+            **dot_flags(x.dtype),
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
 
@@ -483,14 +480,24 @@ def dequantize(w: torch.Tensor, s: torch.Tensor | None, block_n: int, block_k: i
     return w.float() * full
 
 
+def _reference_weights(w: torch.Tensor, s: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
+    """The oracle's own dequantisation, apart from the CPU path's `dequantize`: each element
+    w[e, n, k] times the scale its block indexes, s[e, n // block_n, k // block_k]."""
+    if s is None:
+        return w.float()
+    rows = torch.arange(w.shape[-2], device=w.device) // block_n
+    cols = torch.arange(w.shape[-1], device=w.device) // block_k
+    return w.float() * s[:, rows[:, None], cols[None, :]]
+
+
 def reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
               block_n: int = 128, block_k: int = 128) -> torch.Tensor:
     """Dense float32 math over every expert (all weights dequantised at once): the oracle for tests."""
     check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
     E = w_gate.shape[0]
-    wg = dequantize(w_gate, s_gate, block_n, block_k)
-    wu = dequantize(w_up, s_up, block_n, block_k)
-    wd = dequantize(w_down, s_down, block_n, block_k)
+    wg = _reference_weights(w_gate, s_gate, block_n, block_k)
+    wu = _reference_weights(w_up, s_up, block_n, block_k)
+    wd = _reference_weights(w_down, s_down, block_n, block_k)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(E):

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import LaunchPlans, fail, cdiv, retries_smaller, check_float, interpreted, next_pow2
-from ._flash import combine_splits, dot, normalise, soft_cap, softmax_step, split_workspace
+from ._common import LaunchPlans, fail, cdiv, retries_smaller, check_float, next_pow2
+from ._flash import combine_splits, dot, dot_flags, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
 MAX_HEAD_DIM = 256
@@ -199,8 +199,7 @@ class _Launch:
             KEYS_IN_ORDER=key_index is None, SOFTCAP=softcap > 0, WINDOW=window > 0,
             BLOCK_M=block_m, BLOCK_N=self.block_n,
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,  # see kernels/attention.py
+            **dot_flags(q.dtype),
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
 

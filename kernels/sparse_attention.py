@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, normalise, softmax_step
+from ._flash import dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step
 from . import _common
-from ._common import (FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail, interpreted,
-                      next_pow2, retries_smaller, strides_as)
+from ._common import (FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
+                      next_pow2, retries_smaller)
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -211,14 +211,11 @@ class _Launch:
         step = max(1, _common.GRID_YZ_MAX // per_batch)
         self.slices = [(b0, (Sq, (min(B, b0 + step) - b0) * per_batch)) for b0 in range(0, B, step)]
         self.meta = dict(
-            MASK_KIND=0 if mask is None else 2 if mask.dtype == torch.bool else 1,
+            MASK_KIND=mask_kind(mask),
             CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
             BLOCK_H=block_h, BLOCK_N=block_n,
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            # Triton 3.9's interpreter multiplies bfloat16 dot operands as their raw uint16
-            # bits; under the interpreter they are upcast first (the GPU path is unaffected).
-            DOT_UPCAST=interpreted() and q.dtype == torch.bfloat16,
+            **dot_flags(q.dtype),
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
 
@@ -257,10 +254,7 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
     if B * Hq * Sq * Dv == 0:
         return out
-    if mask is None:
-        m, mstrides = q, (0, 0, 0, 0)
-    else:
-        m, mstrides = mask, strides_as(mask, (B, Hq, Sq, Sk))  # stride 0 on broadcast dims, no copy
+    m, mstrides = mask_operand(mask, q, (B, Hq, Sq, Sk))
     strides = (*q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, Hq * Sq * Dv, Sq * Dv, Dv, 1)
     for b0, grid in plan.slices:
         _sparse_attention_fwd[grid](

@@ -34,6 +34,9 @@ class PassContext:
     graph_index: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     later: tuple = ()  # the passes that will run after this one on this graph (see passes/lookahead.py)
+    # the manager's price of a graph for this pass's decisions: the predicted step after this
+    # pipeline's later communication passes ran on a copy (PassManager.price_after_later)
+    price: Any = None
 
 
 class Pass:

@@ -4,7 +4,8 @@ Communication passes interact: a rewrite that pays on its own can take away what
 pass would have done better (sequence parallelism's reduce-scatters leave pipeline_collectives
 no all-reduce to chunk and give the overlap scheduler less to hide). A pass that changes the
 collectives makes its rewrite on a copy (`trial`) and compares `predicted_step` of both: the
-step after the later communication passes of this pipeline have run on a copy.
+step after the later communication passes of this pipeline have run on a copy, which the
+manager prices (`PassContext.price`); no pass builds a pipeline of its own.
 """
 
 from __future__ import annotations
@@ -35,19 +36,14 @@ def later_passes(ctx: PassContext) -> list:
 
 
 def predicted_step(graph: torch.fx.Graph, ctx: PassContext) -> float:
-    """The cost model's step for `graph` as this pipeline will leave it: the later
-    communication passes run on a copy, each deciding as it would in the pipeline (with its
-    own look-ahead), then the simulator; so the figure is the one the pipeline ends with. The
-    one estimate every communication pass decides by."""
+    """The one estimate every communication pass decides by: the cost model's step for `graph`
+    as this pipeline will leave it, priced by the manager running the pass (the later
+    communication passes run on a copy, each deciding as it would in the pipeline, then the
+    simulator). Outside a manager: the simulator on `graph` as it is."""
+    if ctx.price is not None:
+        return ctx.price(graph)
     from metainfer.simulate import simulate
 
-    from .manager import PassManager
-
-    later = later_passes(ctx)
-    if later:
-        graph = copy_graph(graph)
-        PassManager(later, ctx.target, explicit=True, options={**ctx.options, LOOKAHEAD_OPTION: True},
-                    keep_graphs=False, simulate=False)(graph)
     return simulate(graph, ctx.target).step_seconds
 
 

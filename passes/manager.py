@@ -178,6 +178,7 @@ class PassManager(CustomGraphPass):
         runnable = [p for p in self.passes if skip_reason(p) is None]
         for p in self.passes:
             ctx.later = tuple(runnable[runnable.index(p) + 1:]) if p in runnable else ()
+            ctx.price = lambda g, later=ctx.later: self.price_after_later(g, later)
             n0 = len(graph.nodes)
             rec = PassRecord(name=p.name, ran=False, nodes_before=n0, nodes_after=n0, graph=self.graph_index)
             reason = skip_reason(p)
@@ -223,6 +224,21 @@ class PassManager(CustomGraphPass):
             records.append(rec)
         self.schedule = schedule
         return records
+
+    def price_after_later(self, graph: torch.fx.Graph, later: tuple) -> float:
+        """The predicted step of `graph` once the communication passes among `later` have run
+        on a copy of it, each deciding as it would here (with its own look-ahead, exchanging
+        nothing between ranks): what a communication pass compares its alternatives by."""
+        from metainfer.simulate import simulate
+
+        from .lookahead import COMMUNICATION_PASSES, LOOKAHEAD_OPTION, copy_graph
+
+        comm = [p for p in later if p.name in COMMUNICATION_PASSES]
+        if comm:
+            graph = copy_graph(graph)
+            PassManager(comm, self.target, explicit=True, options={**self.options, LOOKAHEAD_OPTION: True},
+                        keep_graphs=False, simulate=False)(graph)
+        return simulate(graph, self.target).step_seconds
 
     def _declined_by_cost(self, p: Pass, graph: torch.fx.Graph, ctx: PassContext, schedule) -> str | None:
         """For a cost-gated pass: run it on a copy, and if the simulator predicts the copy

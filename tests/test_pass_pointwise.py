@@ -11,12 +11,15 @@ from metainfer.testing import assert_graphs_equivalent, capture_graph, count_cal
 mi = torch.ops.metainfer
 
 
-def apply(name, fn, *inputs, expect_op=None):
+def apply(name, fn, *inputs, expect=None):
+    """Run pass `name` on fn's graph, check equivalence; `expect` (op, n): the graph after holds n
+    calls of op and the pass says it matched n times (n counted by hand from fn)."""
     gm, args = capture_graph(fn, *inputs)
     after, rec = run_pass(name, gm)
     assert_graphs_equivalent(gm, after, fresh_like(args))
-    if expect_op is not None:
-        assert count_calls(after, expect_op) == rec.matches
+    if expect is not None:
+        op, n = expect
+        assert count_calls(gm, op) == 0 and count_calls(after, op) == n and rec.matches == n
     return rec, after
 
 
@@ -42,7 +45,7 @@ def sqrt_div_norm(x, w, eps=1e-5):
 @pytest.mark.parametrize("norm, offset", [(llama_norm, 0.0), (gemma_norm, 1.0), (sqrt_div_norm, 0.0)])
 def test_rmsnorm_forms(norm, offset, dtype):
     x, w = torch.randn(2, 5, 64, dtype=dtype), torch.randn(64, dtype=dtype)
-    rec, after = apply("fuse_rmsnorm", norm, x, w, expect_op=mi.rmsnorm.default)
+    rec, after = apply("fuse_rmsnorm", norm, x, w, expect=(mi.rmsnorm.default, 1))
     assert rec.matches == 1
     (node,) = [n for n in after.graph.nodes if n.target is mi.rmsnorm.default]
     assert node.args[3] == offset and node.args[4] == dtype
@@ -55,7 +58,7 @@ def test_llama_norm_whose_upcast_is_read_elsewhere():
         return w * normed.to(x.dtype), xf.sum()
 
     rec, after = apply("fuse_rmsnorm", f, torch.randn(2, 5, 64, dtype=torch.bfloat16),
-                       torch.randn(64, dtype=torch.bfloat16), expect_op=mi.rmsnorm.default)
+                       torch.randn(64, dtype=torch.bfloat16), expect=(mi.rmsnorm.default, 1))
     (node,) = [n for n in after.graph.nodes if n.target is mi.rmsnorm.default]
     assert rec.matches == 1 and node.args[0].meta["val"].dtype == torch.float32 and node.args[4] == torch.bfloat16
 
@@ -66,7 +69,7 @@ def test_residual_add_is_fused_and_sum_is_reused():
         return llama_norm(h, w), h * 2  # the residual stream reads h too
 
     rec, after = apply("fuse_rmsnorm", f, torch.randn(2, 4, 32), torch.randn(2, 4, 32), torch.randn(32),
-                       expect_op=mi.add_rmsnorm.default)
+                       expect=(mi.add_rmsnorm.default, 1))
     assert rec.matches == 1 and "add+rmsnorm" in rec.decisions[0]
     assert count_calls(after, torch.ops.aten.add) == 0, "the add now happens inside the op"
 
@@ -76,7 +79,7 @@ def test_broadcast_add_is_not_a_residual():
         return llama_norm(x + bias, w)
 
     rec, after = apply("fuse_rmsnorm", f, torch.randn(2, 4, 32), torch.randn(32), torch.randn(32),
-                       expect_op=mi.rmsnorm.default)
+                       expect=(mi.rmsnorm.default, 1))
     assert rec.matches == 1 and count_calls(after, mi.add_rmsnorm.default) == 0
 
 
@@ -126,7 +129,7 @@ def test_swiglu_forms(form):
         return F.silu(g) * u
 
     rec, _ = apply("fuse_swiglu", f, torch.randn(2, 3, 16, dtype=dtype), torch.randn(24, 16, dtype=dtype),
-                   torch.randn(24, 16, dtype=dtype), expect_op=mi.swiglu.default)
+                   torch.randn(24, 16, dtype=dtype), expect=(mi.swiglu.default, 1))
     assert rec.matches == 1
 
 
@@ -170,7 +173,7 @@ def test_rope_forms(rot, order):
 
     q = torch.randn(2, 5, 8, 16).transpose(1, 2)  # (B, H, S, D) from a (B, S, H, D) projection
     k = torch.randn(2, 5, 2, 16).transpose(1, 2)
-    rec, _ = apply("fuse_rope", f, q, k, torch.randn(2, 5, 16), torch.randn(2, 5, 16), expect_op=mi.rope.default)
+    rec, _ = apply("fuse_rope", f, q, k, torch.randn(2, 5, 16), torch.randn(2, 5, 16), expect=(mi.rope.default, 2))
     assert rec.matches == 2
 
 
@@ -206,7 +209,7 @@ def test_geglu_fires_on_gemmas_mlp(dtype):
         return (F.gelu(x @ wg.t(), approximate="tanh") * (x @ wu.t())) @ wd.t()
 
     x, wg, wu, wd = (torch.randn(*s, dtype=dtype) for s in ((2, 3, 16), (24, 16), (24, 16), (16, 24)))
-    rec, _ = apply("fuse_geglu", mlp, x, wg, wu, wd, expect_op=mi.geglu.default)
+    rec, _ = apply("fuse_geglu", mlp, x, wg, wu, wd, expect=(mi.geglu.default, 1))
     assert rec.matches == 1 and "geglu" in rec.decisions[0]
 
 
@@ -222,5 +225,5 @@ def test_geglu_on_hugging_face_gemma():
 
     model = tiny_hf_model("Gemma", hidden_activation="gelu_pytorch_tanh")
     ids = torch.randint(3, 100, (2, 8))
-    rec, after = apply("fuse_geglu", model, ids, expect_op=mi.geglu.default)
+    rec, after = apply("fuse_geglu", model, ids, expect=(mi.geglu.default, model.config.num_hidden_layers))
     assert rec.matches == model.config.num_hidden_layers

@@ -179,8 +179,10 @@ def test_the_chosen_plan_is_one_metainfer_executes():
             assert f"not executable yet: {ph.what_if.plan.label}" in ph.reason
     assert result.phases["prefill"].what_if.plan.pp > 1
     dec = result.phases["decode"].chosen
-    # the draft is a what-if too: the headline is plain decode
-    assert dec.draft >= 1 and dec.tokens_per_second == pytest.approx(dec.tokens / dec.step_seconds)
+    # the draft is a what-if too: the headline is plain decode, one new token for each of the
+    # 64 sequences (plan()'s decode default) per plain step, not the accepted tokens of a draft
+    assert dec.draft >= 1 and dec.tokens_per_second * dec.step_seconds == pytest.approx(64)
+    assert dec.speculative_tokens_per_second != pytest.approx(dec.tokens_per_second)
     assert "what-if, not applied yet: speculative draft length" in result.phases["decode"].reason
 
 

@@ -22,9 +22,14 @@ def llama_opt():
 def test_records_have_the_contract_fields(llama_opt):
     r = llama_opt.report
     assert [p.name for p in r.passes] == list(DEFAULT_ORDER)
-    for rec in r.passes:
-        for f in FIELDS:
-            assert hasattr(rec, f)
+    records = json.loads(json.dumps(r.to_dict()))["graphs"][0]["passes"]
+    for i, rec in enumerate(records):
+        assert set(FIELDS) <= set(rec), f"{rec['name']} lacks {set(FIELDS) - set(rec)}"
+        assert (rec["skipped_reason"] is None) == rec["ran"]
+        if not rec["ran"]:  # a skipped pass neither matched nor touched the graph
+            assert rec["matches"] == 0 and rec["nodes_before"] == rec["nodes_after"] and not rec["decisions"]
+        if i:  # each pass starts from the graph the one before left
+            assert rec["nodes_before"] == records[i - 1]["nodes_after"]
     att = r.record("fuse_attention")
     assert att.ran and att.matches == 2 and att.nodes_after < att.nodes_before and att.seconds > 0
     assert all(d.startswith("layers.") for d in att.decisions), "decisions name the layer"

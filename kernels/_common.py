@@ -56,6 +56,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def dot_block(kernel: str, config, key: str) -> int:
+    """config[key], which must be a power of two >= 16 (a tl.dot tile), else KernelInputError."""
+    val = config[key]
+    if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
+        fail(kernel, f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
+    return val
+
+
 def check_float(kernel: str, name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         fail(kernel, f"{name} must be a tensor, got {type(t).__name__}")

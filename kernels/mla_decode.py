@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import combine_splits, dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step, split_workspace
-from ._common import (GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
+from ._common import (dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
@@ -219,13 +219,6 @@ def check_inputs(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_
     check_scalars(NAME, scale, causal, causal_offset, zero_empty_rows)
 
 
-def _block(config: dict, key: str) -> int:
-    val = config[key]
-    if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
-        fail(NAME, f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
-    return val
-
-
 class _Launch:
     """What a launch decides from everything but the cache length and causal offset (read per
     call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
@@ -241,8 +234,8 @@ class _Launch:
         if wide is not None and R > wide["MAX_R"]:
             config = {**config, **{k: v for k, v in wide.items() if k != "MAX_R"}}
         # the head tile is padded to 16 rows (tl.dot's minimum) when there are fewer heads
-        self.block_h = block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(H)))
-        block_n = _block(config, "BLOCK_N")
+        self.block_h = block_h = min(dot_block(NAME, config, "BLOCK_H"), max(16, next_pow2(H)))
+        block_n = dot_block(NAME, config, "BLOCK_N")
         self.head_blocks = cdiv(H, block_h)
         check_grid((B * self.head_blocks, Sq, 1), NAME, f"{Sq} query rows")
         # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,

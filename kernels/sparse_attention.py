@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step
 from . import _common
-from ._common import (FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
+from ._common import (dot_block, FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       next_pow2, retries_smaller)
 
 NAME = "sparse_attention"
@@ -182,13 +182,6 @@ def check_inputs(q, k, v, indices, mask, scale, causal, causal_offset, zero_empt
     check_scalars(NAME, scale, causal, causal_offset, zero_empty_rows)
 
 
-def _block(config: dict, key: str) -> int:
-    val = config[key]
-    if not (isinstance(val, int) and val >= 16 and val & (val - 1) == 0):
-        fail(NAME, f"config {key} must be a power of two >= 16 (tl.dot tiles), got {val!r}")
-    return val
-
-
 class _Launch:
     """What a launch decides from everything but the key count and causal offset (read per
     call: a decode step's context grows by one each step): blocks, grid slices, constexprs."""
@@ -201,8 +194,8 @@ class _Launch:
         self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, Hkv, Dv
         self.topk, self.group = indices.shape[2], Hq // Hkv
         # the head tile is padded to 16 rows (tl.dot's minimum) when the group is smaller
-        block_h = min(_block(config, "BLOCK_H"), max(16, next_pow2(self.group)))
-        block_n = _block(config, "BLOCK_N")
+        block_h = min(dot_block(NAME, config, "BLOCK_H"), max(16, next_pow2(self.group)))
+        block_n = dot_block(NAME, config, "BLOCK_N")
         self.head_blocks = head_blocks = cdiv(self.group, block_h)
         # query rows along x (a long prefill passes 65,535); batch x kv heads x head blocks along y,
         # launched in slices of the batch where they would pass CUDA's 65,535

@@ -189,36 +189,34 @@ class _Launch:
     """What a launch decides from everything but the key count and causal offset (a decode step's
     context grows by one each step; those two are read per call): blocks, constexprs, tuner."""
 
-    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "mask_kind", "block_m", "block_n", "q_blocks", "split",
-                 "fixed", "meta", "candidates")
+    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "q_blocks", "split", "meta", "candidates")
 
     def __init__(self, q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune):
         B, Hq, Sq, D = q.shape
         self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, k.shape[1], v.shape[3]
-        self.mask_kind = mask_kind(mask)
         # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
         rows_cap = max(16, next_pow2(Sq))
 
         def clamp(c: dict) -> dict:
             return {**c, "BLOCK_M": min(c["BLOCK_M"], rows_cap)}
 
-        self.fixed = fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
-        self.block_m, self.block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
-        self.q_blocks = cdiv(Sq, self.block_m)
+        fixed = clamp({key: config[key] for key in TUNED_KEYS if key in config})
+        block_m, block_n = fixed["BLOCK_M"], fixed["BLOCK_N"]
+        self.q_blocks = cdiv(Sq, block_m)
         # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
         split_any = self.q_blocks == 1 or "SPLITS" in config
-        self.split = SplitRule(config, self.q_blocks * B * Hq, self.block_n) if split_any else None
+        self.split = SplitRule(config, self.q_blocks * B * Hq, block_n) if split_any else None
         self.candidates = tune_candidates(config, clamp) if autotune else []
         check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in self.candidates or [fixed])), 1), NAME,
                    f"{Sq} query rows")
         self.meta = dict(
-            MASK_KIND=self.mask_kind, CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0,
+            MASK_KIND=mask_kind(mask), CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0,
             ZERO_EMPTY_ROWS=bool(zero_empty_rows),
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)),
             **dot_flags(q.dtype),
         )
         if len(self.candidates) <= 1:
-            self.meta.update(BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            self.meta.update(BLOCK_M=block_m, BLOCK_N=block_n,
                              num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2))
 
 

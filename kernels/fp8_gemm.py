@@ -296,8 +296,7 @@ class _Launch:
     """A launch's checks and decisions for one signature (a decode step's rows and weight shapes
     repeat every step): blocks, split-K, constexprs, tuner."""
 
-    __slots__ = ("M", "N", "K", "stride_xm", "grid", "splits", "k_per_split", "meta", "fixed", "native", "tuned",
-                 "sum_block")
+    __slots__ = ("M", "N", "K", "stride_xm", "grid", "splits", "k_per_split", "meta", "native", "tuned", "sum_block")
 
     def __init__(self, args: tuple, config):
         check_inputs(*args)
@@ -334,7 +333,7 @@ class _Launch:
             # (see attention.py); fp32 x takes an ieee fp32 dot (the GPU path is unaffected)
             UPCAST=dtype == torch.float32 or (interpreted() and dtype == torch.bfloat16),
         )
-        self.native, self.splits, self.k_per_split, self.fixed = plan["FP8_NATIVE"], splits, k_per_split, fixed
+        self.native, self.splits, self.k_per_split = plan["FP8_NATIVE"], splits, k_per_split
         self.sum_block = row.get("SUM_BLOCK", 1024)
         if len(candidates) > 1:
             self.tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))

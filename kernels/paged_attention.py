@@ -184,12 +184,12 @@ class _Launch:
     """What a launch decides from everything but the longest request's key count (read per call:
     it grows every decode step): blocks, grid, constexprs."""
 
-    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "config", "block_n")
+    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "block_n")
 
     def __init__(self, q, k_pool, v_pool, key_index, cu_q, max_q, scale, window, softcap, config):
         Tq, Hq, D = q.shape
         Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
-        self.Hkv, self.Dv, self.n, self.config = Hkv, Dv, cu_q.numel() - 1, config
+        self.Hkv, self.Dv, self.n = Hkv, Dv, cu_q.numel() - 1
         self.empty = Tq * Hq * Dv == 0 or self.n == 0 or max_q == 0
         group = Hq // Hkv
         block_m, self.block_n = config["BLOCK_M"], config["BLOCK_N"]

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from metainfer import cost, targets  # noqa: E402
+from metainfer.hardware import cost, targets  # noqa: E402
 
 SHAPES = {"llama3-70b": 8192, "deepseek-v3": 7168}
 PHASES = {"prefill": 4 * 4096, "decode": 64}
@@ -52,7 +52,7 @@ def measured_rank(rank, world, select):
     import torch
 
     import metainfer
-    from metainfer import multirank
+    from metainfer.parallel import multirank
     from metainfer.testing import tiny_hf_model
 
     model = tiny_hf_model("Llama", attn="eager", layers=2, hidden_size=256, intermediate_size=512,
@@ -70,7 +70,7 @@ def measured_rank(rank, world, select):
 
 
 def measured(ranks: int) -> None:
-    from metainfer import multirank
+    from metainfer.parallel import multirank
 
     print(f"\nmeasured on {ranks} gloo ranks (pcie8 scaled to 2 islands), one forward of 4 x 128 tokens, "
           "tiny HF Llama (hidden 256, 2 layers): bytes sent per rank")
@@ -84,9 +84,9 @@ def measured(ranks: int) -> None:
         rows[select] = inter
         label = "select_collectives (hierarchical)" if select else "library default (ring)"
         print(f"| {label} | {intra / 1024:,.1f} | {inter / 1024:,.1f} | {max(d for _, d in res):.2e} |")
-    from metainfer import distributed
+    from metainfer.parallel import distributed
 
-    t = distributed.emulated("pcie8", ranks)
+    t = distributed.emulated(targets.get("pcie8"), ranks)
     nbytes = 4 * 128 * 256 * 4
     formula = (cost.collective_cost("all_reduce", nbytes, t, "hierarchical").bytes_inter
                / cost.collective_cost("all_reduce", nbytes, t, "ring").bytes_inter)

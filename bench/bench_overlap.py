@@ -51,10 +51,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.fx.experimental._config  # noqa: E402,F401  (meta_nonzero_assume_all_nonzero)
 
-from metainfer import distributed, models, targets  # noqa: E402
+from metainfer.parallel import distributed  # noqa: E402
+from metainfer import models
+from metainfer.hardware import targets
 from metainfer.passes import PassManager, get_pass  # noqa: E402
 from metainfer.passes.pipeline import DEFAULT_ORDER  # noqa: E402
-from metainfer.simulate import simulate  # noqa: E402
+from metainfer.hardware.simulate import simulate  # noqa: E402
 from metainfer.testing import capture_graph  # noqa: E402
 
 KERNELS = ["fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "fuse_rope",
@@ -189,7 +191,7 @@ def measured_rank(rank, world, kind: str, overlap: bool, repeats: int):
 
 
 def measured(ranks: int, repeats: int) -> list[str]:
-    from metainfer import multirank
+    from metainfer.parallel import multirank
 
     lines = [f"measured on CPU gloo, {ranks} ranks sharing this machine's cores, tensor parallel, median of "
              f"{repeats} forwards (slowest rank)", "| model | overlap passes | wall time / forward | max diff vs "

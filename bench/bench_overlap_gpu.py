@@ -98,9 +98,10 @@ def main() -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("needs a job over 2 or more CUDA GPUs (torchrun --nproc-per-node N); nothing to measure here")
         return
-    from metainfer import distributed
+    from metainfer.hardware import targets
+    from metainfer.parallel import distributed
 
-    distributed.start(a.target)
+    distributed.start(targets.get(a.target))
     lines = ["| model | overlap passes | time / forward | max error (rel.) | NCCL kernel time / forward | "
              "NCCL time beside compute | fired |", "|---|---|---|---|---|---|---|"]
     for name in ("llama", "deepseek"):

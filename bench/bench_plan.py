@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from metainfer import planner, targets  # noqa: E402
+from metainfer.hardware import planner, targets  # noqa: E402
 
 MODELS = ("llama3-70b", "deepseek-v3")
 TARGETS = ("pcie8", "nvlink8")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import metainfer
-from metainfer import speculative
+from metainfer.runtime import speculative
 from metainfer.models import deepseek
 from metainfer.testing import tiny_hf_model
 

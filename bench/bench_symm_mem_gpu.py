@@ -31,7 +31,8 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise SystemExit("run under torchrun with at least 2 CUDA GPUs")
-    from metainfer import cost, distributed, targets
+    from metainfer.hardware import cost, targets
+    from metainfer.parallel import distributed
 
     t = targets.get(a.target)
     distributed.start(t)  # NCCL with the target's settings

@@ -87,7 +87,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("calibrate_gpu.py needs a CUDA GPU")
-    from metainfer import targets
+    from metainfer.hardware import targets
 
     t = targets.get(a.target)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -434,7 +434,7 @@ def _autotune_candidates(dev, f):
 def _two_ranks(dev, f):
     """Two gloo ranks on this machine (the one GPU shared): functional collectives on its
     tensors, eager and compiled, against the sums each rank computes itself."""
-    from metainfer import multirank
+    from metainfer.parallel import multirank
     from metainfer.testing import functional_collectives_check
 
     def run():
@@ -580,7 +580,7 @@ def _activate_this_gpu() -> None:
     """The kernels' config rows of this GPU's architecture (a Hopper runs the sm_90 rows)."""
     import dataclasses
 
-    from metainfer import targets
+    from metainfer.hardware import targets
     from metainfer.kernels import configs as kernel_configs
 
     major, minor = torch.cuda.get_device_capability()

@@ -43,7 +43,7 @@ import time
 import torch  # noqa: E402
 
 import metainfer  # noqa: E402
-from metainfer import targets  # noqa: E402
+from metainfer.hardware import targets  # noqa: E402
 from metainfer.passes.pipeline import DEFAULT_ORDER  # noqa: E402
 from metainfer.testing import tiny_hf_model  # noqa: E402
 
@@ -249,12 +249,12 @@ def main(argv=None) -> int:
         from metainfer import calibrate
 
         path = os.path.join(tempfile.mkdtemp(), "cpu-calibrated.toml")
-        m = calibrate.measure(sorted(set(a.ranks)), progress=lambda s: print(s, file=sys.stderr))
+        m = calibrate.measure(targets.get("cpu"), sorted(set(a.ranks)), progress=lambda s: print(s, file=sys.stderr))
         import validate_ranks
 
         validate_ranks.OVERLAP.update({int(k): v for k, v in m.comm_overlap.items()})
         with open(path, "w") as f:
-            f.write(calibrate.to_toml(m))
+            f.write(calibrate.to_toml(m, targets.get("cpu")))
         print(calibrate.table(m))
         target, source = targets.load(path), path
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

@@ -2,7 +2,7 @@
 this machine, predicted vs measured, and the communication passes' decisions against what
 the measurement favours.
 
-A job of 2 or 4 ranks (metainfer.multirank: processes on 127.0.0.1) runs Hugging Face Llama
+A job of 2 or 4 ranks (metainfer.parallel.multirank: processes on 127.0.0.1) runs Hugging Face Llama
 (the validation's config with 4 key-value heads, 4 layers, fp32) at tensor parallel over every rank, Inductor
 lowering, a 4 x 128-token prefill forward: once with metainfer's default pipeline and once
 with the communication passes disabled. Predicted: the simulator's step for each rank's graph
@@ -44,7 +44,7 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
     ranks outnumber the cores; the ranks share the cache level too. Collective costs were measured with the ranks sharing the cores
     already (calibrate's gloo fit), so the links are left as measured; `overlap` is the share of
     a collective that runs beside compute with `world` ranks (calibrate's measurement)."""
-    from metainfer import targets
+    from metainfer.hardware import targets
 
     t = targets.get(path)  # one device; its link is gloo's all-reduce fitted on this machine's ranks
     t = dataclasses.replace(t, num_devices=world, topology=dataclasses.replace(
@@ -110,7 +110,7 @@ def measure_overlap(worlds) -> dict[int, float]:
 
 
 def _job(world: int, path: str, cache_dir: str, disable=(), options=None) -> dict:
-    from metainfer import multirank
+    from metainfer.parallel import multirank
 
     if world not in OVERLAP:
         measure_overlap([world])

@@ -5,7 +5,7 @@ input: a pool that a graph mutates in place is an input mutation, which AOTAutog
 functionalization turns into a copy of the whole pool per call outside Inductor (measured on
 this machine: 115 ms per call for a 64 MB pool under aot_eager, 0.06 ms under Inductor, which
 re-inplaces it). So, as a collective reaches its process group, the op reaches the pool of the
-step running on its thread: metainfer.serving sets it around each engine forward.
+step running on its thread: metainfer.runtime.serving sets it around each engine forward.
 """
 
 from __future__ import annotations

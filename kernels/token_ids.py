@@ -5,7 +5,7 @@ first such id (n when there is none).
 A compiled graph's embedding lookup asserts on an out-of-range id inside a GPU kernel, which
 poisons the CUDA context; checking on the host first would stall every step on a copy. So
 the graph runs on the safe copy while the position travels to the host behind it, and the
-caller raises once it arrives (metainfer.inputs.TokenGuard).
+caller raises once it arrives (metainfer.runtime.inputs.TokenGuard).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ One directory holds everything metainfer's compilations write:
                        leaves it there: other torch.compile calls in the process share it)
     <root>/records/    what the passes did to each graph (JSON), for graphs Inductor serves
                        from its cache without running the passes
-    <root>/serving/    measured compile times of serving graphs (metainfer.serve_compile)
+    <root>/serving/    measured compile times of serving graphs (metainfer.runtime.serve_compile)
 
 <root> is, in order: the `cache_dir=` given to optimize(), $METAINFER_CACHE_DIR, or
 ~/.cache/metainfer. Inductor's cache stays valid because the PassManager's uuid() is stable

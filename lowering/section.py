@@ -23,7 +23,7 @@ class GraphSection:
     compile_seconds: float = 0.0
     phase: str = "forward"  # "forward", or "prefill"/"decode" when compiled inside generate()
     recompile_reasons: list[str] = field(default_factory=list)  # guards of earlier graphs that failed
-    schedule: Any = None  # metainfer.simulate.Schedule of the final graph (None when served from cache)
+    schedule: Any = None  # metainfer.hardware.simulate.Schedule of the final graph (None when served from cache)
     simulation_error: str | None = None
     call_seconds: list[float] = field(default_factory=list)  # wall time per call, when the backend times calls
     cuda_graphs: bool = False  # compiled to replay from CUDA graphs (lowering.backend.uses_cuda_graphs)

@@ -46,15 +46,15 @@ def _choose_triton_mode() -> None:
 
 _choose_triton_mode()
 
-from . import targets  # noqa: E402  (plain Python: no torch)
+from .hardware import targets  # noqa: E402  (plain Python: no torch)
 
 # Everything else imports torch (seconds): loaded on first use, so `metainfer --help` and
 # `metainfer targets` stay fast.
 _LAZY = {
     "optimize": "api", "bisect": "api", "OptimizedModel": "api",
-    "analyze": "analyze", "plan": "planner", "PlanError": "planner",
-    "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "capture",
-    "Report": "report", "Target": "targets", "cache": None,
+    "analyze": "analyze", "plan": "api", "PlanError": "hardware.planner",
+    "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "model_capture",
+    "Report": "report", "Target": "hardware.targets", "cache": None,
 }
 
 

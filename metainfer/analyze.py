@@ -16,8 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from metainfer import targets as _targets
-from metainfer.capture import capturable, translate
+from metainfer.model_capture import capturable, translate
 from metainfer.passes import PassManager, resolve
 from metainfer.lowering.section import GraphSection
 from metainfer.report import Report
@@ -38,7 +37,9 @@ def analyze(model: torch.nn.Module, target="pcie8", *, example_inputs, passes: I
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if any(m.training for m in model.modules()):
         raise ValueError("model is in training mode; call model.eval() before metainfer.analyze")
-    t = _targets.get(target)
+    from metainfer.api import resolve_target
+
+    t = resolve_target(target)
     if ranks is None:
         if tensor_parallel is not None or expert_parallel is not None:
             raise ValueError("tensor_parallel / expert_parallel need ranks= (the job analysed)")
@@ -46,7 +47,7 @@ def analyze(model: torch.nn.Module, target="pcie8", *, example_inputs, passes: I
     if ranks != t.num_devices:
         raise ValueError(f"ranks={ranks!r}: target {t.name!r} has {t.num_devices} devices; analyse one rank of a "
                          "job over all of them")
-    from metainfer import distributed
+    from metainfer.parallel import distributed
 
     with distributed.fake_job(ranks):
         t, notes = distributed.prepare(model, t, emulate=False, expert_parallel_on=expert_parallel,
@@ -113,7 +114,7 @@ class _AnalysisBackend:
 
 
 def _concrete(x) -> int:
-    from metainfer.cost import size_hint
+    from metainfer.hardware.cost import size_hint
 
     return int(size_hint(x))
 

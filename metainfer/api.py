@@ -14,15 +14,30 @@ from typing import Any
 
 import torch
 
-from metainfer import capture
-from metainfer import targets as _targets
-from metainfer import inputs as _inputs
-from metainfer.inputs import ModelInputs, check_devices
+from metainfer import model_capture as capture
+from metainfer.hardware import targets as _targets
+from metainfer.runtime import inputs as _inputs
+from metainfer.runtime.inputs import ModelInputs, check_devices
 from metainfer.lowering.backend import LOWERINGS, MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
-from metainfer.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
+from metainfer.runtime.serve_compile import MODES as SERVE_COMPILE_MODES, ServingCompile
 from metainfer.verify import BisectResult, EquivalenceError, bisect_captured, mismatch
+
+
+def resolve_target(target: "str | os.PathLike | _targets.Target") -> _targets.Target:
+    """The one place a target name or TOML path becomes a Target: every entry point (optimize,
+    bisect, analyze, plan, the torch.compile backend, the CLI) calls this once and passes the
+    object down."""
+    return _targets.get(target)
+
+
+def plan(model, target="pcie8", **options):
+    """metainfer.plan: metainfer.hardware.planner.plan with `target` a name, a TOML path or a
+    Target."""
+    from metainfer.hardware import planner
+
+    return planner.plan(model, resolve_target(target), **options)
 
 
 def _static_cache(kwargs) -> bool:
@@ -114,11 +129,11 @@ class OptimizedModel:
         (the report labels each graph with its phase). With Hugging Face's assisted generation
         (`assistant_model=`, an OptimizedModel or a model, which is then optimized for the
         same target; or `prompt_lookup_num_tokens=`) the verify and draft steps run metainfer's
-        graphs too, and the draft length is metainfer's (metainfer.speculative), re-chosen as
+        graphs too, and the draft length is metainfer's (metainfer.runtime.speculative), re-chosen as
         acceptance is measured, unless `draft_length=` fixes it. A models/ model with MTP
         layers (DeepSeek) speculates the same way with them as the drafter, on one prompt at a
         time; `draft_length=0` runs its plain loop."""
-        from metainfer import speculative
+        from metainfer.runtime import speculative
 
         if not callable(getattr(type(self.model), "generate", None)):
             raise AttributeError(f"{type(self.model).__name__} has no generate() method")
@@ -147,16 +162,16 @@ class OptimizedModel:
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, **kwargs):
         """transformers' continuous batching `generate_batch`, every forward of the engine running
-        metainfer's graphs (see metainfer.serving); a request that cannot be served fails alone."""
-        from metainfer import serving
+        metainfer's graphs (see metainfer.runtime.serving); a request that cannot be served fails alone."""
+        from metainfer.runtime import serving
 
         return serving.generate_batch(self, inputs, generation_config, continuous_batching_config, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
                                  workload_hints=None):
         """The engine's streaming manager (add_request / get_result / start / stop), its forwards
-        running metainfer's graphs between start() and stop() (see metainfer.serving)."""
-        from metainfer import serving
+        running metainfer's graphs between start() and stop() (see metainfer.runtime.serving)."""
+        from metainfer.runtime import serving
 
         return serving.Manager(self, generation_config, continuous_batching_config, workload_hints)
 
@@ -184,7 +199,7 @@ class OptimizedModel:
             fn = self._compiled_packed if packed else self._compiled
             shapes = contextlib.nullcontext()
             captured = _inputs.capturing()
-            if step is not None:  # a serving step: compiled once compiling pays (metainfer.serve_compile)
+            if step is not None:  # a serving step: compiled once compiling pays (metainfer.runtime.serve_compile)
                 if captured and self._serving_fn is not None:
                     fn = self._serving_fn  # the engine captures the path its warm-up call just ran
                 else:
@@ -238,6 +253,17 @@ class OptimizedModel:
                 else:
                     d["forward"] = previous
 
+    def optimize_like(self, model: torch.nn.Module) -> "OptimizedModel":
+        """`model` optimized the way this one was (target, passes, lowering, pass options):
+        how a drafter for speculative decoding is built."""
+        return optimize(model, self.target, **self.how_optimized())
+
+    def how_optimized(self) -> dict:
+        """The optimize() settings this model was built with, beside the target."""
+        b = self._backend
+        return dict(passes=[p.name for p in b.passes] if b.explicit else None, disable=tuple(sorted(b.disabled)),
+                    lowering=b.lowering, pass_options=b.options or None)
+
     def _refuse_training(self) -> None:
         """The graphs were compiled for inference; a module switched to training mode since
         would need dropout (and batch statistics) they do not compute."""
@@ -289,7 +315,7 @@ def _serving_shapes():
     """Dynamo's shape settings for a serving step (thread-local in torch 2.13, so set around each
     call on the engine's thread): equal sizes not assumed equal (a chunk of 512 tokens over a
     512-row index would otherwise compile a graph of its own). With no step reading an empty
-    index (metainfer.serving), the steps of several tokens take one graph, and steps of one
+    index (metainfer.runtime.serving), the steps of several tokens take one graph, and steps of one
     token another (Dynamo specialises sizes of 1; size-oblivious sizes break models' views)."""
     import torch.fx.experimental._config as fx_config
 
@@ -338,7 +364,7 @@ def _validate_model(model, target) -> None:
 
 def _build(model, target, passes, disable, lowering, pass_options, capture, cache_dir, dynamic,
            dump_dir=None, serve_compile: str = "auto") -> OptimizedModel:
-    target = _targets.get(target)
+    target = _targets.required(target, "_build")
     _validate_model(model, target)
     chosen, disabled, explicit = resolve(target, passes, disable)
     lowering = lowering or "inductor"
@@ -367,7 +393,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
              cuda_graphs: bool = True) -> OptimizedModel:
     """Optimize `model` for `target`; returns a callable with the model's signature and outputs.
 
-    target: a name from metainfer.targets.names(), a TOML path, or a Target.
+    target: a name from metainfer.hardware.targets.names(), a TOML path, or a Target.
     example_inputs: positional inputs (tensor, tuple or list) or keyword inputs (dict); if
         given, the model is compiled now and the report is complete on return.
     passes: explicit pipeline (names or Pass objects); default: the target's pipeline.
@@ -390,7 +416,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         group; None (default) follows the same planner choice.
     serve_compile: when a serving engine's steps (generate_batch, init_continuous_batching)
         switch from eager to the compiled graph: "auto" (default; once the compile's measured or
-        predicted cost is at most 20% of the eager serving time, metainfer.serve_compile),
+        predicted cost is at most 20% of the eager serving time, metainfer.runtime.serve_compile),
         "always" (at the first step), "never"; $METAINFER_SERVE_COMPILE sets the default.
     cuda_graphs: on a CUDA target (Inductor lowering), generate()'s decode steps over a static
         KV cache (cache_implementation="static") replay CUDA graphs, one per batch size, instead
@@ -407,11 +433,11 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
         raise ValueError(f"serve_compile must be one of {', '.join(SERVE_COMPILE_MODES)}, not {serve_compile!r}")
     if verify and example_inputs is None:
         raise ValueError("verify=True needs example_inputs to compare eager and optimized outputs on")
-    from metainfer import distributed
+    from metainfer.parallel import distributed
 
-    t, dist_notes = distributed.prepare(model, target, emulate=emulate, expert_parallel_on=expert_parallel,
+    t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
-    t, arch_note = _targets.for_device(_targets.get(t), _gpu_capability(model))
+    t, arch_note = _targets.for_device(t, _gpu_capability(model))
     dist_notes = dist_notes + ([arch_note] if arch_note else [])
     if example_inputs is not None:
         check_devices(t, args, kwargs, what="example_inputs")
@@ -452,7 +478,7 @@ def bisect(model: torch.nn.Module, example_inputs, target="cpu", *, passes: Iter
     graph re-compiles growing prefixes of the passes that ran on it and compares that graph's
     outputs with running it eagerly."""
     args, kwargs = _as_args(example_inputs)
-    t = _targets.get(target)
+    t = resolve_target(target)
     check_devices(t, args, kwargs, what="example_inputs")
     opt = _build(model, t, passes, disable, lowering, pass_options, capture=True, cache_dir=None, dynamic=None)
     with torch.no_grad():

@@ -307,7 +307,7 @@ def measure_custom_op_slowdowns(target, overheads: dict[str, float]) -> dict[str
 
     import torch
 
-    from metainfer import cost
+    from metainfer.hardware import cost
     from metainfer.testing import capture_graph
 
     bare = dataclasses.replace(target, device=dataclasses.replace(
@@ -408,7 +408,7 @@ def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, fl
 
 
 def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict]:
-    from metainfer import multirank
+    from metainfer.parallel import multirank
 
     sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if quick else [16 << 20])
     out = {}
@@ -426,7 +426,9 @@ def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict
     return out
 
 
-def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Measurements:
+def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False, progress=print) -> Measurements:
+    """This machine's numbers; `base` is the target they will replace numbers of (its other
+    fields price the custom ops while the calibration runs)."""
     import torch
 
     m = Measurements(machine=f"{platform.node()} ({platform.processor() or platform.machine()})",
@@ -446,9 +448,9 @@ def measure(ranks: list[int] = (2,), quick: bool = False, progress=print) -> Mea
     progress("custom ops against their roofline ...")
     import tomllib
 
-    from metainfer import targets
+    from metainfer.hardware import targets
 
-    provisional = targets.from_dict(tomllib.loads(to_toml(m)), "calibration in progress")
+    provisional = targets.from_dict(tomllib.loads(to_toml(m, base)), "calibration in progress")
     m.custom_op_slowdown = measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us)
     if ranks:
         progress(f"gloo collectives over {', '.join(map(str, ranks))} ranks ...")
@@ -463,11 +465,11 @@ def _default_overhead(per_op: dict[str, float]) -> float:
     return pointwise[len(pointwise) // 2] if pointwise else 0.0
 
 
-def to_toml(m: Measurements, base: str = "cpu") -> str:
+def to_toml(m: Measurements, base: "targets.Target") -> str:
     """The base target's TOML with the measured numbers in place of its own."""
-    from metainfer import targets
+    from metainfer.hardware import targets
 
-    t = targets.get(base)
+    t = targets.required(base, "calibrate.to_toml")
     fp32 = m.matmul_gflops["fp32 large"]
     bf16 = max(v for k, v in m.matmul_gflops.items() if k.startswith("bf16"))
     classes = ", ".join(f"{k} {v:.1f}" for k, v in m.matmul_gflops.items())

@@ -57,10 +57,10 @@ class _VersionAction(argparse.Action):
 
 
 def _target(name: str):
-    from metainfer import targets
+    from metainfer.api import resolve_target
 
     try:
-        return targets.get(name)
+        return resolve_target(name)
     except (ValueError, FileNotFoundError, TypeError) as e:
         raise UsageError(f"--target {name}: {e}") from None
 
@@ -81,7 +81,7 @@ class _ModelSpec:
         if not (path.exists() or spec.endswith(".json")):
             raise UsageError(f"--model {spec}: neither a models/ name ({', '.join(models.names())}) nor a Hugging "
                              "Face config.json or folder holding one")
-        from metainfer.shapes import read_config_json
+        from metainfer.hardware.shapes import read_config_json
 
         try:
             self.path, self.hf_config = read_config_json(path)
@@ -158,7 +158,7 @@ def cmd_optimize(a) -> int:
 def cmd_plan(a) -> int:
     import dataclasses
 
-    from metainfer import planner, shapes
+    from metainfer.hardware import planner, shapes
 
     target = _target(a.target)
     try:
@@ -211,13 +211,12 @@ def cmd_bench_serving(a) -> int:
 
 
 def cmd_targets(a) -> int:
-    from metainfer import targets
+    from metainfer.hardware import targets
 
     if a.json:
-        print(json.dumps({n: targets.get(n).to_dict() for n in targets.names()}, indent=2, default=str))
+        print(json.dumps({n: t.to_dict() for n, t in targets.builtins().items()}, indent=2, default=str))
         return 0
-    for name in targets.names():
-        t = targets.get(name)
+    for name, t in targets.builtins().items():
         islands = " + ".join(str(len(i)) for i in t.topology.islands)
         print(f"{name:10s} {t.device.kind:5s} {t.num_devices} x {t.device.name:20s} islands {islands:7s} "
               f"p2p {'yes' if t.topology.p2p else 'no':3s}  {t.description}")
@@ -252,9 +251,10 @@ def cmd_calibrate(a) -> int:
 
     from metainfer import calibrate
 
-    m = calibrate.measure([r for r in a.ranks if r > 1], quick=a.quick, progress=lambda s: print(s, file=sys.stderr))
+    base = _target(a.target)  # a bad name fails now, not after the measurements
+    m = calibrate.measure(base, [r for r in a.ranks if r > 1], quick=a.quick, progress=lambda s: print(s, file=sys.stderr))
     print(calibrate.table(m), file=sys.stderr)
-    text = calibrate.to_toml(m, a.target)
+    text = calibrate.to_toml(m, base)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metainfer import targets as _targets
+from metainfer.api import resolve_target
 from metainfer.lowering.backend import MetainferBackend
 from metainfer.passes import resolve
 from metainfer.report import Report
@@ -22,7 +22,7 @@ def metainfer_backend(gm, example_inputs, options: dict | None = None, **unused)
         raise ValueError(f"unknown metainfer backend options {sorted(unknown)}; known: {list(_OPTION_KEYS)}")
     key = id(options)
     if _last["key"] != key or _last["backend"] is None:
-        target = _targets.get(opts.get("target", "cpu"))
+        target = resolve_target(opts.get("target", "cpu"))
         passes, disabled, explicit = resolve(target, opts.get("passes"), opts.get("disable", ()))
         _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit,
                                             report=Report(target, [p.name for p in passes]),

@@ -22,7 +22,7 @@ class Report:
         self.pipeline = list(pipeline)
         self.sections: list[GraphSection] = []
         self.notes: list[str] = list(notes or [])
-        # speculative decoding: each change of the draft length, when and why (metainfer.speculative)
+        # speculative decoding: each change of the draft length, when and why (metainfer.runtime.speculative)
         self.speculation: list[dict[str, Any]] = []
 
     # -- access ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Variants:
   KV pool sized by metainfer), the graphs compiled at the first step (serve_compile="always":
   the steady state of a server);
 - `cb+metainfer-auto`: the same with metainfer's default policy (eager steps until compiling
-  pays, metainfer.serve_compile): what a one-off batch gets.
+  pays, metainfer.runtime.serve_compile): what a one-off batch gets.
 
 Each variant serves the workload `rounds` times (at least twice), the variants interleaved
 round by round; the first run (compiles, warm-up) and the later ones are timed, and the table
@@ -298,7 +298,7 @@ TUNED_BATCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 
 def workload_blocks(workload: Workload, page_size: int = 256) -> int:
     """KV blocks that hold every request of the workload whole at once, plus a spare."""
-    from metainfer.serving import blocks_to_hold
+    from metainfer.runtime.serving import blocks_to_hold
 
     return blocks_to_hold([r.prompt_tokens + workload.prefix_tokens * (r.prefix_group is not None) + r.output_tokens
                            for r in workload.requests], page_size)
@@ -479,7 +479,7 @@ def build_model(spec: str, attn: str = "sdpa", dtype=torch.float32):
         cfg = getattr(transformers, f"{fields.pop('arch')}Config")(pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                                                    **fields)
     else:
-        from metainfer.shapes import read_config_json
+        from metainfer.hardware.shapes import read_config_json
 
         path, _ = read_config_json(spec)
         cfg = transformers.AutoConfig.from_pretrained(str(path))

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from metainfer import targets as _targets
+from metainfer.api import resolve_target
 from metainfer.lowering.capture import DYNAMO_CONFIG
 from metainfer.passes import Pass, PassManager, PassRecord, get_pass
 from metainfer.verify import mismatch
@@ -95,7 +95,7 @@ def run_pass(p: "Pass | str", gm: torch.fx.GraphModule, target="cpu", options: d
     """Run one pass (even where it would not pay) on a copy of `gm`."""
     p = get_pass(p) if isinstance(p, str) else p
     out = copy.deepcopy(gm)
-    mgr = PassManager([p], _targets.get(target), explicit=True, options=options)
+    mgr = PassManager([p], resolve_target(target), explicit=True, options=options)
     mgr(out.graph)
     out.recompile()
     return out, mgr.records[0]
@@ -194,7 +194,7 @@ _UNSET = object()
 
 
 def functional_collectives_check(rank: int, world_size: int, device: str) -> list[str]:
-    """Run on each rank of a job (metainfer.multirank.run): all_reduce, all_gather and
+    """Run on each rank of a job (metainfer.parallel.multirank.run): all_reduce, all_gather and
     reduce_scatter through torch's functional collectives on `device` tensors, eager and inside
     a torch.compile graph (where metainfer's collective passes meet them); the mismatches found,
     each as text (empty when all agree with the sums computed locally)."""

@@ -437,7 +437,7 @@ class MTP(nn.Module):
 
 
 class DeepSeek(nn.Module):
-    # tensor parallelism (metainfer.sharding): MLA heads (q_b, kv_b, o) and the dense and
+    # tensor parallelism (metainfer.parallel.sharding): MLA heads (q_b, kv_b, o) and the dense and
     # shared-expert MLPs split; the latent projections and router stay whole on every rank;
     # routed experts stay whole too, or are spread over the ranks (MoE.shard_experts) when
     # expert parallelism is on. MTP layers are not in the plan: whole on every rank.

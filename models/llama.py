@@ -172,7 +172,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    # tensor parallelism (metainfer.sharding): heads and the MLP's hidden units split
+    # tensor parallelism (metainfer.parallel.sharding): heads and the MLP's hidden units split
     TP_PLAN = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
                "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
                "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch.fx
 
-from metainfer.targets import Target
+from metainfer.hardware.targets import Target
 
 
 class NearMiss(Exception):

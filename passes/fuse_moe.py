@@ -17,7 +17,7 @@ fused, down GEMM, weighted combine). Forms recognised (post-grad ATen):
 transformers' eager experts loop iterates over the experts that received tokens, a
 data-dependent Python loop that breaks the graph once per expert; metainfer captures those
 modules through transformers' own `grouped_mm` implementation instead (see
-metainfer.capture), where this pass finds them.
+metainfer.model_capture), where this pass finds them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metainfer import targets
+from metainfer.hardware import targets
 from metainfer.kernels.moe import FP8_DTYPES as KERNEL_FP8
 
 from . import base

@@ -42,7 +42,7 @@ def predicted_step(graph: torch.fx.Graph, ctx: PassContext) -> float:
     simulator). Outside a manager: the simulator on `graph` as it is."""
     if ctx.price is not None:
         return ctx.price(graph)
-    from metainfer.simulate import simulate
+    from metainfer.hardware.simulate import simulate
 
     return simulate(graph, ctx.target).step_seconds
 

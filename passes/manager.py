@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from metainfer.fxops import is_c10d
+from metainfer.hardware.fxops import is_c10d
 
 from . import ranks
 from .base import Pass, PassContext, PassResult
@@ -229,7 +229,7 @@ class PassManager(CustomGraphPass):
         """The predicted step of `graph` once the communication passes among `later` have run
         on a copy of it, each deciding as it would here (with its own look-ahead, exchanging
         nothing between ranks): what a communication pass compares its alternatives by."""
-        from metainfer.simulate import simulate
+        from metainfer.hardware.simulate import simulate
 
         from .lookahead import COMMUNICATION_PASSES, LOOKAHEAD_OPTION, copy_graph
 
@@ -271,7 +271,7 @@ class PassManager(CustomGraphPass):
         cannot be simulated, which never stops compilation."""
         if not self.simulate or self.simulation_error is not None:
             return None
-        from metainfer.simulate import simulate
+        from metainfer.hardware.simulate import simulate
 
         try:
             return simulate(graph, self.target)

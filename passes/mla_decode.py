@@ -195,7 +195,7 @@ def _signature(att: Node, site) -> tuple:
 def _pays(graph, att: Node, site, target) -> tuple[bool, str]:
     """Whether the simulator predicts the graph faster with this site absorbed (rewritten on
     a copy), and the figures."""
-    from metainfer.simulate import simulate
+    from metainfer.hardware.simulate import simulate
 
     from .lookahead import trial
 

@@ -6,7 +6,7 @@ chunk of a pipelined matmul) placed in the gap.
     y = mm(a); ar = all_reduce(y); w = wait(ar); s = shared_mlp(x); out = w + s
       -> y = mm(a); ar = all_reduce(y); s = shared_mlp(x); w = wait(ar); out = w + s
 
-The order comes from a list scheduler driven by the simulator's clock (metainfer.simulate):
+The order comes from a list scheduler driven by the simulator's clock (metainfer.hardware.simulate):
 among the nodes whose inputs are placed, collectives go first; then compute, preferring the
 work that feeds the earliest pending collective; a `wait_tensor` whose collective would
 still be running goes last, when nothing else is ready. Nodes with side effects (in-place
@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from metainfer import cost
-from metainfer.fxops import VIEW_NAMES, is_c10d, op_name
-from metainfer.simulate import COLLECTIVE_OPS, GraphTimeline, group_name
+from metainfer.hardware import cost
+from metainfer.hardware.fxops import VIEW_NAMES, is_c10d, op_name
+from metainfer.hardware.simulate import COLLECTIVE_OPS, GraphTimeline, group_name
 
 from . import ranks
 from .base import Pass, PassContext, PassResult, register

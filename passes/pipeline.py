@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from metainfer.targets import Target
+from metainfer.hardware.targets import Target
 
 from .base import Pass, get_pass, pass_names
 

@@ -1,6 +1,6 @@
 """What the passes need from the torch.distributed job they compile in: this rank's place,
 the sub-groups of the target's islands, and agreement across ranks without a collective.
-Below the runtime (metainfer.distributed starts jobs and shards models; passes never import it).
+Below the runtime (metainfer.parallel.distributed starts jobs and shards models; passes never import it).
 
 - `island_groups(target)`: the sub-groups the hierarchical all-reduce runs on (this rank's
   island, and the ranks with this rank's position in the other islands), created on every
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from metainfer import targets as _targets
+from metainfer.hardware import targets as _targets
 
 
 def world_size() -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from metainfer import cost
+from metainfer.hardware import cost
 
 from . import ranks
 from .base import Pass, PassContext, PassResult, register

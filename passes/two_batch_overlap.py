@@ -28,7 +28,7 @@ import operator
 
 import torch
 
-from metainfer import fxops
+from metainfer.hardware import fxops
 
 from . import base
 from .base import Pass, PassContext, PassResult, register

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import metainfer
-from metainfer import models, targets
+from metainfer import models
+from metainfer.hardware import targets
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_unknown_backend_option():
 
 
 def test_uuid_is_stable_and_tracks_the_pipeline():
-    from metainfer import targets
+    from metainfer.hardware import targets
     from metainfer.passes import PassManager, get_pass
 
     t = targets.get("cpu")

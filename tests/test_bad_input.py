@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import metainfer
-from metainfer import inputs, models
+from metainfer.runtime import inputs
+from metainfer import models
 from metainfer.testing import tiny_hf_model
 
 

@@ -3,7 +3,8 @@ target with the measured numbers, and a quick run measures this machine end to e
 
 import pytest
 
-from metainfer import calibrate, cost, targets
+from metainfer import calibrate
+from metainfer.hardware import cost, targets
 
 
 def test_ring_fit_recovers_alpha_and_beta():
@@ -36,7 +37,7 @@ def _measured():
 
 def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     path = tmp_path / "cpu-calibrated.toml"
-    path.write_text(calibrate.to_toml(_measured()))
+    path.write_text(calibrate.to_toml(_measured(), targets.get("cpu")))
     t = targets.load(path)
     assert t.name == "cpu-calibrated" and t.num_devices == 1
     assert t.device.peak_flops["fp32"] == pytest.approx(400e9) and t.device.peak_flops["bf16"] == pytest.approx(2.8e12)
@@ -65,7 +66,7 @@ def test_the_cache_level_from_a_streaming_sweep_by_hand():
     assert calibrate.cache_level({**sweep, 256: 40.0}) == (96.0, 46.0)
     m = _measured()
     m.stream_gbs, (m.cache_mib, m.cache_gbs) = {str(k): v for k, v in sweep.items()}, calibrate.cache_level(sweep)
-    t = targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
+    t = targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m, targets.get("cpu"))), "calibrated")
     assert t.device.cache_bytes == 96 * 2**20 and t.device.cache_bandwidth == pytest.approx(46e9)
     assert t.device.bandwidth(96 * 2**20) == pytest.approx(46e9) and t.device.bandwidth(97 * 2**20) == pytest.approx(30e9)
 
@@ -82,7 +83,7 @@ def test_custom_ops_pay_their_dispatch_overhead(tmp_path):
     from metainfer.testing import capture_graph, run_pass
 
     path = tmp_path / "t.toml"
-    path.write_text(calibrate.to_toml(_measured()))
+    path.write_text(calibrate.to_toml(_measured(), targets.get("cpu")))
     t = targets.load(path)
     gm, _ = capture_graph(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
                           torch.randn(4, 64), torch.randn(64))
@@ -94,12 +95,12 @@ def test_custom_ops_pay_their_dispatch_overhead(tmp_path):
 
 
 def test_a_quick_calibration_of_this_machine():
-    m = calibrate.measure([], quick=True, progress=lambda s: None)
+    m = calibrate.measure(targets.get("cpu"), [], quick=True, progress=lambda s: None)
     assert m.matmul_gflops["fp32 large"] > 1 and m.copy_gbs > 0.1
     assert 0 < m.kernel_overhead_us < m.custom_op_overhead_us["rmsnorm"]  # Python dispatch costs more than a C++ call
     assert m.custom_op_overhead_us["moe_experts_per_expert"] > 0  # its CPU path loops over the experts
     assert 0 <= m.memory_overlap <= 1 and len(m.stream_gbs) == 4
-    targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m)), "calibrated")
+    targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m, targets.get("cpu"))), "calibrated")
 
 
 def _norm_graph(rows):
@@ -144,7 +145,7 @@ def test_moe_experts_pays_for_each_expert_that_can_get_tokens(tmp_path):
     from metainfer.testing import capture_graph
 
     path = tmp_path / "t.toml"
-    path.write_text(calibrate.to_toml(_measured()))
+    path.write_text(calibrate.to_toml(_measured(), targets.get("cpu")))
     t = targets.load(path)
     E, T, K, H, I = 8, 2, 2, 16, 16
     args = (torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K), torch.randn(E, I, H),
@@ -166,7 +167,7 @@ def test_hugging_face_grouped_mm_fallback_is_priced_by_its_work_and_host_loop(tm
     m = _measured()
     m.custom_op_overhead_us.update(grouped_mm_fallback=30.0, grouped_mm_fallback_per_expert=10.0)
     path = tmp_path / "t.toml"
-    path.write_text(calibrate.to_toml(m))
+    path.write_text(calibrate.to_toml(m, targets.get("cpu")))
     t = targets.load(path)
     E, S, K, N = 8, 2, 16, 24
     gm, _ = capture_graph(lambda x, w, o: torch.ops.transformers.grouped_mm_fallback(x, w, o),

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from metainfer import cost, targets
-from metainfer.fxops import VIEW_NAMES, op_name
+from metainfer.hardware import cost, targets
+from metainfer.hardware.fxops import VIEW_NAMES, op_name
 
 MiB = 2**20
 
@@ -355,7 +355,7 @@ def test_a_collective_kind_fitted_on_its_own_is_priced_by_its_fit():
     """gloo's reduce-scatter costs what its all-reduce does: a target that carries its own fit
     for the kind (calibrate writes one) prices it by that link, the others by the topology's.
     Two ranks, 4 MiB: ring reduce-scatter = 1 step of (latency + 2 MiB / bandwidth)."""
-    from metainfer.targets import LinkSpec
+    from metainfer.hardware.targets import LinkSpec
 
     base = dataclasses.replace(targets.get("pcie8"), num_devices=2,
                                topology=dataclasses.replace(targets.get("pcie8").topology, islands=((0, 1),),

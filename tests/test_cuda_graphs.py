@@ -9,7 +9,9 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer import api, inputs, targets
+from metainfer import api
+from metainfer.runtime import inputs
+from metainfer.hardware import targets
 from metainfer.lowering import backend as B
 from metainfer.testing import tiny_hf_model
 

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 import metainfer
-from metainfer import distributed, models, multirank, targets
+from metainfer.parallel import distributed, multirank
+from metainfer import models
+from metainfer.hardware import targets
 from metainfer.passes import ranks
 from metainfer.testing import tiny_hf_model
 
@@ -270,7 +272,7 @@ def symmetric_memory_selection(rank, world, available, refusing_rank=None):
 
     symm_mem.reserve = reserve
     model, ids, _ = _model("hf-llama", 2)
-    t, _ = distributed.prepare(model, "pcie8", emulate=True, tensor_parallel=world)
+    t, _ = distributed.prepare(model, targets.get("pcie8"), emulate=True, tensor_parallel=world)
     report = metainfer.analyze(model, t, example_inputs=(ids,), passes=["select_collectives"])
     rec = report.record("select_collectives")
     return rec.decisions, rec.graph_after or "", rec.near_misses
@@ -307,7 +309,7 @@ def all_reduce_bytes(rank, world, algorithm, nbytes):
     """Bytes this rank sends to its own island and across, for one all-reduce of `nbytes`
     run as the flat ring or as the hierarchical rewrite's three collectives, and whether
     the result is right."""
-    t = distributed.emulated("pcie8", world)
+    t = distributed.emulated(targets.get("pcie8"), world)
     groups = ranks.island_groups(t)
     k = len(groups.islands[0])
     intra = dist.distributed_c10d._resolve_process_group(groups.intra_for(rank))
@@ -486,9 +488,9 @@ def test_hierarchical_sends_fewer_bytes_across_islands_measured():
     assert all(ok for _, ok in ring + hier)
     ring_inter = sum(b["inter"] for b, _ in ring)
     hier_inter = sum(b["inter"] for b, _ in hier)
-    from metainfer import cost
+    from metainfer.hardware import cost
 
-    t = distributed.emulated("pcie8", 4)
+    t = distributed.emulated(targets.get("pcie8"), 4)
     predicted = (cost.collective_cost("all_reduce", nbytes, t, "hierarchical").bytes_inter
                  / cost.collective_cost("all_reduce", nbytes, t, "ring").bytes_inter)
     measured = hier_inter / ring_inter
@@ -692,8 +694,9 @@ def test_start_applies_the_targets_collective_settings(tmp_path):
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port),\n"
         "                  NCCL_PROTO='Simple')\n"
-        "from metainfer import distributed\n"
-        "applied = distributed.start('pcie8-nop2p', backend='gloo', timeout_s=30)\n"
+        "from metainfer.parallel import distributed\n"
+        "from metainfer.hardware import targets\n"
+        "applied = distributed.start(targets.get('pcie8-nop2p'), backend='gloo', timeout_s=30)\n"
         "import torch.distributed as dist\n"
         "print(sorted(applied), os.environ['NCCL_PROTO'], dist.get_backend())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -17,9 +17,9 @@ def test_wheel_install_imports_everything(tmp_path):
                         "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (site / "metainfer" / "passes" / "fuse_attention.py").is_file()
-    assert (site / "metainfer" / "targets" / "pcie8.toml").is_file()
+    assert (site / "metainfer" / "hardware" / "targets" / "pcie8.toml").is_file()
     code = ("import metainfer, metainfer.passes, metainfer.kernels, metainfer.lowering, metainfer.models;"
-            "print(metainfer.__file__); print(metainfer.targets.names())")
+            "print(metainfer.__file__); print(metainfer.hardware.targets.names())")
     env = {**os.environ, "PYTHONPATH": str(site)}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)

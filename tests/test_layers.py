@@ -1,38 +1,54 @@
-"""Imports run one way: the user-facing API, CLI and report and the distributed runtime at the
-top; then the passes and the lowering; then the hardware model (targets, cost, simulator,
-planner). Read from the source with `ast`, every import counted (module level or inside a
-function). A new top-level module of metainfer/ counts as the top layer until it is listed
-below."""
+"""Imports run one way, and the folders are the layers. From the top down:
+
+    metainfer/*.py        the user-facing top: API, CLI, report, verification, analysis, calibration
+    metainfer/runtime/    what runs when an optimized model is called: input guard, serving, speculation
+    metainfer/parallel/   the multi-rank runtime: sharding, distributed setup, local rank launcher
+    lowering/             the Dynamo/Inductor backend
+    passes/               the graph passes and their manager
+    metainfer/hardware/   targets, cost model, simulator, shapes, planner
+    models/               reference models and configs (an FP8 model quantises with a kernel's helper)
+    kernels/              Triton kernels, the op registry, kernel configs
+
+A module may import its own layer and any layer below it, never one above; read from the
+source with `ast`, every import counted (module level or inside a function). A layer is a
+folder: a new module is placed by where it is saved, not by a list in this file."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HARDWARE_MODEL = {"targets", "cost", "simulate", "fxops", "shapes", "planner"}
-MIDDLE = {"passes", "lowering", "kernels"}  # installed as metainfer.passes etc.
-LEAVES = {"kernels", "models"}  # Triton kernels and model configs: anyone may read them
+# metainfer.passes etc. are installed from top-level folders (pyproject's package-dir)
+INSTALLED_FROM = {"passes": "passes", "lowering": "lowering", "kernels": "kernels", "models": "models"}
+ORDER = ["top", "runtime", "parallel", "lowering", "passes", "hardware", "models", "kernels"]
+# parallel and lowering sit side by side: each depends on passes, neither on the other
+SIDE_BY_SIDE = {("parallel", "lowering"), ("lowering", "parallel")}
 
 
 def _modules():
-    for top in ("metainfer", *MIDDLE):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            if parts[0] != "metainfer":
-                parts.insert(0, "metainfer")
-            if parts[-1] == "__init__":
-                parts.pop()
-            yield ".".join(parts), path
+    for path in sorted((ROOT / "metainfer").rglob("*.py")):
+        yield _name(path.relative_to(ROOT).parts), path
+    for folder in INSTALLED_FROM.values():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield _name(("metainfer",) + path.relative_to(ROOT).parts), path
+
+
+def _name(parts) -> str:
+    parts = list(parts)
+    parts[-1] = parts[-1].removesuffix(".py")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
 def _layer(module: str) -> str:
+    """The layer of a module, from its folder (metainfer.<folder>.x) or, directly in
+    metainfer/, the top; the package itself (which importing any of its modules runs) is root."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1].startswith("__"):
-        return "root"  # the package itself (importing any of its modules runs it): its version
-    if parts[1] in MIDDLE:
+        return "root"
+    if parts[1] in INSTALLED_FROM or parts[1] in ORDER:
         return parts[1]
-    if parts[1] in LEAVES:
-        return "leaf"
-    return "model" if parts[1] in HARDWARE_MODEL else "top"
+    return "top"
 
 
 def _imports(module: str, path: pathlib.Path) -> set[str]:
@@ -45,46 +61,59 @@ def _imports(module: str, path: pathlib.Path) -> set[str]:
             out |= {name} | {f"{name}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
-    # only modules of this package; "metainfer.passes.x.Name" -> its module
-    return {".".join(n.split(".")[:3]) if _layer(n) in MIDDLE | {"leaf"} else ".".join(n.split(".")[:2])
-            for n in out if n.startswith("metainfer.")}
+    return {n for n in out if n == "metainfer" or n.startswith("metainfer.")}
 
 
-ALLOWED = {  # layer -> the layers its modules may import
-    "passes": {"root", "passes", "kernels", "model", "leaf"},  # not lowering: it depends on passes
-    "lowering": {"root", "lowering", "passes", "kernels", "model", "leaf"},
-    "kernels": {"root", "kernels", "leaf"},
-    "model": {"root", "model", "kernels", "leaf"},  # cost asks kernels which CPU path an op takes
-}
+def _may_import(mine: str, theirs: str) -> bool:
+    if mine == theirs or theirs == "root" or mine in ("root", "top"):
+        return True
+    if theirs == "top":
+        return False
+    return (mine, theirs) not in SIDE_BY_SIDE and ORDER.index(theirs) > ORDER.index(mine)
+
+
+def _edges():
+    for module, path in _modules():
+        for name in _imports(module, path):
+            yield module, _layer(module), name, _layer(name)
+
+
+def test_every_module_is_in_a_layer():
+    layers = {_layer(m) for m, _ in _modules()}
+    assert layers <= set(ORDER) | {"root"}, layers
+    assert set(ORDER) <= layers, set(ORDER) - layers  # a renamed folder must be renamed here too
 
 
 def test_imports_run_one_way():
-    wrong = []
-    for module, path in _modules():
-        mine = _layer(module)
-        for name in _imports(module, path):
-            theirs = _layer(name)
-            if mine in ALLOWED and theirs not in ALLOWED[mine]:
-                wrong.append(f"{module} ({mine}) imports {name} ({theirs})")
+    wrong = [f"{m} ({mine}) imports {n} ({theirs})" for m, mine, n, theirs in _edges()
+             if not _may_import(mine, theirs)]
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_two_layers_import_each_other():
-    """No pair of layers in both directions (passes <-> lowering was one until the op registry,
-    kernel configs, the serving pool and symmetric memory moved to kernels/)."""
-    edges = set()
-    for module, path in _modules():
-        mine = _layer(module)
-        edges |= {(mine, _layer(name)) for name in _imports(module, path)}
-    # the package root re-exports the top layer's API (metainfer.optimize) and everything imports
-    # the root: that pair is the package itself, not two layers
-    both = {tuple(sorted(e)) for e in edges if e[0] != e[1] and (e[1], e[0]) in edges} - {("root", "top")}
+    """No pair of layers in both directions. The package root is not a layer: importing any
+    module runs it, and it re-exports the API (lazily) and the target registry."""
+    edges = {(mine, theirs) for _, mine, _, theirs in _edges() if mine != theirs and "root" not in (mine, theirs)}
+    both = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
     assert not both, sorted(both)
 
 
+def test_the_root_loads_only_the_target_registry():
+    """`import metainfer` (and `metainfer --help`) loads the target registry and nothing else
+    of the package: the rest is imported on first use."""
+    eager = {name for node in ast.parse((ROOT / "metainfer" / "__init__.py").read_text()).body
+             if isinstance(node, ast.ImportFrom) and node.level for name in
+             [".".join(filter(None, [node.module, a.name])) for a in node.names]}
+    assert eager == {"hardware.targets"}, eager
+
+
 def test_the_check_sees_an_upward_import(tmp_path):
-    """The rule can fail: a pass importing the API layer is caught."""
+    """The rule can fail: a pass importing the API layer, or the hardware model importing the
+    runtime, is caught."""
     fake = tmp_path / "p.py"
-    fake.write_text("def f():\n    from metainfer.api import optimize\n")
+    fake.write_text("def f():\n    from metainfer.api import optimize\n    from metainfer.runtime import serving\n")
     names = _imports("metainfer.passes.p", fake)
-    assert names == {"metainfer.api"} and _layer("metainfer.api") not in ALLOWED["passes"]
+    assert names == {"metainfer.api", "metainfer.api.optimize", "metainfer.runtime", "metainfer.runtime.serving"}
+    assert not _may_import("passes", _layer("metainfer.api"))
+    assert not _may_import("hardware", _layer("metainfer.runtime.serving"))
+    assert _may_import("runtime", _layer("metainfer.hardware.planner"))

@@ -8,7 +8,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer import inputs
+from metainfer.runtime import inputs
 from metainfer.testing import host_reads, tiny_hf_model
 
 HF_TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,

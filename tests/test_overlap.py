@@ -53,7 +53,7 @@ def test_overlap_moves_the_wait_behind_independent_compute():
     assert (rec.exposed_before_s, rec.exposed_after_s) == (pytest.approx(ar), pytest.approx(ar - mm))
     assert "graph re-ordered" in rec.decisions[-1] and "peak live activations" in rec.decisions[-1]
     # equivalence on two gloo ranks, each with its own x, against the sum written out
-    from metainfer import multirank
+    from metainfer.parallel import multirank
 
     for rank, (before, reordered, by_hand) in enumerate(multirank.run(_reordered_on_ranks, 2, timeout_s=240)):
         torch.testing.assert_close(reordered, by_hand)
@@ -121,7 +121,7 @@ def test_pipeline_chunks_pay_for_prefill_and_not_for_decode():
     """A Llama-3-70B-sized row-parallel matmul at tp8 on pcie8: 16k prefill rows give a
     256 MiB all-reduce, and chunks hide the next chunk's GEMM behind it; 64 decode rows a
     GEMM whose weight would be read once per chunk, beside a 1 MiB all-reduce."""
-    from metainfer.distributed import fake_job
+    from metainfer.parallel.distributed import fake_job
 
     def row_parallel(x, w):
         return c10d.wait_tensor(c10d.all_reduce(x @ w, "sum", dist.group.WORLD.group_name))
@@ -142,7 +142,7 @@ def test_pipelined_all_gather_lowers_through_inductor():
     it adds must have a lowering there (aten.stack, a decomposition, had none)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    from metainfer.distributed import fake_job
+    from metainfer.parallel.distributed import fake_job
 
     def fn(x, w1, w2):
         g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, dist.group.WORLD.group_name))

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metainfer import models, targets
+from metainfer import models
+from metainfer.hardware import targets
 from metainfer.kernels import fp8_gemm as F8
 from metainfer.kernels import ops
 from metainfer.passes import PassManager, get_pass
@@ -114,7 +115,7 @@ def _toml(name):
     import tomllib
     from pathlib import Path
 
-    import metainfer.targets as T
+    import metainfer.hardware.targets as T
     return tomllib.loads((Path(T.__file__).parent / f"{name}.toml").read_text())
 
 
@@ -204,7 +205,8 @@ def expert_parallel_graph():
     one process)."""
     import torch.distributed as dist
 
-    from metainfer import capture, distributed, sharding
+    from metainfer import model_capture as capture
+    from metainfer.parallel import distributed, sharding
 
     with distributed.fake_job(2):
         m = tiny_hf_model("Mixtral", "eager", layers=2, num_local_experts=4, num_experts_per_tok=2)

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import metainfer
-from metainfer import planner, shapes, targets
-from metainfer.planner import Plan, PlanError, expected_accepted
+from metainfer.hardware import planner, shapes, targets
+from metainfer.hardware.planner import Plan, PlanError, expected_accepted
 
 
 # ---- shapes ---------------------------------------------------------------------------
@@ -81,14 +81,14 @@ def test_a_model_that_does_not_fit_is_a_clear_error():
 
 def test_a_batch_the_kv_cache_cannot_hold_is_refused():
     with pytest.raises(PlanError, match="KV cache holds"):
-        planner.plan("llama3-70b", "pcie8", phases="decode", batch=4096, seq=8192)
+        planner.plan("llama3-70b", targets.get("pcie8"), phases="decode", batch=4096, seq=8192)
 
 
 def test_million_token_context_where_memory_allows():
-    result = planner.plan("deepseek-v4-flash-like", "nvlink8", phases="prefill", batch=1, seq=4096)
+    result = planner.plan("deepseek-v4-flash-like", targets.get("nvlink8"), phases="prefill", batch=1, seq=4096)
     million = [c for c in result.phases["prefill"].candidates if c.runs and c.capacity.million_token_context]
     assert million and all(c.capacity.max_context == 1 << 20 for c in million)  # the model's own limit
-    small = planner.plan("llama3-70b", "pcie8", phases="prefill", batch=1, seq=4096)
+    small = planner.plan("llama3-70b", targets.get("pcie8"), phases="prefill", batch=1, seq=4096)
     assert not any(c.capacity.million_token_context for c in small.phases["prefill"].candidates)
 
 
@@ -100,7 +100,7 @@ def test_million_token_context_where_memory_allows():
 ])
 def test_bad_planner_input(kwargs, match):
     with pytest.raises(PlanError, match=match):
-        planner.plan("llama3-8b", "pcie8", **kwargs)
+        planner.plan("llama3-8b", targets.get("pcie8"), **kwargs)
 
 
 # ---- pricing ----------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_pcie_prefers_less_tensor_parallel_traffic_than_nvlink():
     pcie = planner.step_time(m, Plan(8, 1, 1, 1), targets.get("pcie8"), "prefill", 4, 4096)
     nvl = planner.step_time(m, Plan(8, 1, 1, 1), targets.get("nvlink8"), "prefill", 4, 4096)
     assert pcie[2] / pcie[0] > 0.5 > nvl[2] / nvl[0]
-    chosen = planner.plan(m, "pcie8", phases="prefill").phases["prefill"].chosen.plan
+    chosen = planner.plan(m, targets.get("pcie8"), phases="prefill").phases["prefill"].chosen.plan
     assert chosen.tp < 8
 
 
@@ -169,7 +169,7 @@ def test_a_decode_layer_by_hand():
 def test_the_chosen_plan_is_one_metainfer_executes():
     """Llama-3-70B prefill on pcie8: the planner prices pipeline stages cheapest (they carry
     little traffic over PCIe), but nothing runs them, so they are a labelled what-if."""
-    result = planner.plan("llama3-70b", "pcie8", acceptance=0.7)
+    result = planner.plan("llama3-70b", targets.get("pcie8"), acceptance=0.7)
     for ph in result.phases.values():
         assert ph.chosen.executable and ph.chosen.plan.pp == 1
         faster = [c for c in ph.candidates if c.runs and c.tokens_per_second > ph.chosen.tokens_per_second]

@@ -7,7 +7,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer import serving
+from metainfer.runtime import serving
 from metainfer.testing import tiny_hf_model
 
 DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -145,7 +145,7 @@ def test_a_target_claiming_more_memory_than_the_machine_has_gets_a_pool_that_fit
     import dataclasses
 
     model = tiny_hf_model("Llama", layers=1)
-    cpu = metainfer.targets.get("cpu")
+    cpu = metainfer.hardware.targets.get("cpu")
     huge = dataclasses.replace(cpu, name="cpu-64tib", device=dataclasses.replace(cpu.device, memory_bytes=2.0**46))
     opt = metainfer.optimize(model, huge, lowering="aot_eager")
     cap = serving.choose_capacity(opt, None, page_size=256, max_batch_tokens=8192)
@@ -159,7 +159,7 @@ def test_serving_compiles_once_it_pays(tmp_path, monkeypatch):
     """serve_compile='auto': a short batch never waits on a compile (no graph); the compile's
     cost is measured and kept in the cache; given work enough, the graph compiles after the
     first eager step and serves the rest."""
-    from metainfer import serve_compile
+    from metainfer.runtime import serve_compile
 
     model = tiny_hf_model("Llama", layers=1)
     reqs = prompts((5, 17, 33, 9))
@@ -189,7 +189,7 @@ def test_serving_compiles_once_it_pays(tmp_path, monkeypatch):
 def test_the_compile_rule_by_hand(tmp_path):
     """Compile iff predicted seconds <= 20% of (eager seconds so far + remaining tokens at the
     measured eager rate): 1.0 s for 100 tokens, compile predicted 0.5 s: pays from 150 tokens on."""
-    from metainfer.serve_compile import ServingCompile
+    from metainfer.runtime.serve_compile import ServingCompile
 
     opt = metainfer.optimize(tiny_hf_model("Llama", layers=1), "cpu", lowering="aot_eager", cache_dir=tmp_path)
     policy = ServingCompile(opt)

@@ -1,4 +1,4 @@
-"""metainfer.sharding: every tensor-parallel style name Hugging Face's plans use, applied on 2
+"""metainfer.parallel.sharding: every tensor-parallel style name Hugging Face's plans use, applied on 2
 gloo ranks to a small model that uses them all and compared with the unsharded model; styles
 that cannot be honoured, and K/V heads that can neither split nor replicate, refused by name
 before any collective."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer import multirank, sharding
+from metainfer.parallel import multirank, sharding
 from metainfer.testing import tiny_hf_model
 
 TIMEOUT_S = int(os.environ.get("METAINFER_TEST_RANK_TIMEOUT", 240))
@@ -136,7 +136,8 @@ def test_the_planner_spreads_hugging_face_experts():
     runs, as for models/ DeepSeek."""
     import transformers
 
-    from metainfer import distributed, targets
+    from metainfer.parallel import distributed
+    from metainfer.hardware import targets
 
     cfg = transformers.Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                                       num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from metainfer import cost, targets
-from metainfer.simulate import simulate
+from metainfer.hardware import cost, targets
+from metainfer.hardware.simulate import simulate
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

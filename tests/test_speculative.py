@@ -1,4 +1,4 @@
-"""Speculative decoding (metainfer.speculative): Hugging Face's assisted generation with the
+"""Speculative decoding (metainfer.runtime.speculative): Hugging Face's assisted generation with the
 verify and draft steps on metainfer's graphs and the draft length metainfer's. Greedy tokens
 equal plain greedy generate() in every case (speculation never changes outputs); the report
 labels verify and draft graphs and records every change of the draft length."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import metainfer
-from metainfer import planner, speculative
-from metainfer.speculative import Acceptance, Measured, _Mean
+from metainfer.hardware import planner
+from metainfer.runtime import speculative
+from metainfer.runtime.speculative import Acceptance, Measured, _Mean
 from metainfer.testing import tiny_hf_model
 
 NEW = 24

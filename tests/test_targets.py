@@ -2,8 +2,8 @@
 
 import pytest
 
-from metainfer import targets
-from metainfer.targets import TargetError
+from metainfer.hardware import targets
+from metainfer.hardware.targets import TargetError
 
 REQUIRED = {"cpu", "cuda", "pcie4", "pcie8", "pcie8-nop2p", "pcie8-gen5", "nvlink8"}
 
@@ -176,7 +176,7 @@ def test_custom_op_costs_in_a_target_file():
     op; bad values are named."""
     import pytest
 
-    from metainfer import targets as T
+    from metainfer.hardware import targets as T
 
     base = dict(name="x", num_devices=1, device=dict(kind="cpu", name="c", peak_tflops=dict(fp32=1.0, bf16=1.0, fp16=1.0),
                                                      memory_gib=1, memory_bandwidth_gbs=10, launch_overhead_us=1))

@@ -13,7 +13,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import metainfer
-from metainfer import multirank, planner, shapes, sharding
+from metainfer.parallel import multirank, sharding
+from metainfer.hardware import planner, shapes
 from metainfer.testing import tiny_hf_model
 
 TIMEOUT_S = int(os.environ.get("METAINFER_TEST_RANK_TIMEOUT", 240))

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer.fxops import VIEW_NAMES, op_name
-from metainfer.targets import Target
+from metainfer.hardware.fxops import VIEW_NAMES, op_name
+from metainfer.hardware.targets import Target
 
 ALGORITHMS = {
     "all_reduce": ("ring", "two_shot", "one_shot", "hierarchical"),

@@ -67,7 +67,7 @@ def translate(err: Exception, model: torch.nn.Module, args: tuple, kwargs: dict,
     knows. Errors of metainfer's lowering (a bug of ours) come back as they are."""
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from metainfer.inputs import describe
+    from metainfer.runtime.inputs import describe
 
     if isinstance(err, BackendCompilerFailed):
         from metainfer.passes import PassError

@@ -166,6 +166,21 @@ def names() -> list[str]:
     return sorted(p.stem for p in _BUILTIN_DIR.glob("*.toml"))
 
 
+def builtins() -> dict[str, Target]:
+    """Every built-in target, by name (what `metainfer targets` lists)."""
+    return {name: load(_BUILTIN_DIR / f"{name}.toml") for name in names()}
+
+
+def required(target: Any, who: str) -> Target:
+    """`target`, which must already be a Target: names and TOML paths are resolved once, where a
+    user hands them to metainfer (metainfer.api.resolve_target, metainfer.targets.get), and
+    everything below takes the object."""
+    if not isinstance(target, Target):
+        raise TypeError(f"{who} takes a Target, not {type(target).__name__} {target!r}: resolve a name or TOML "
+                        "path first with metainfer.targets.get()")
+    return target
+
+
 def get(target: "str | Path | Target") -> Target:
     """A Target from a built-in name, a path to a TOML file, or a Target (returned as is)."""
     if isinstance(target, Target):

@@ -8,7 +8,7 @@ The engine (scheduler, paged KV pool, prefix blocks, chunked prefill) is transfo
 is its compiler and kernels:
 
 - every forward the engine runs goes through metainfer: eagerly (the model's forward with the
-  attention and cache update below) until compiling pays (metainfer.serve_compile), then the
+  attention and cache update below) until compiling pays (metainfer.runtime.serve_compile), then the
   OptimizedModel's compiled graphs (one for steps of several tokens, one for steps of one),
   labelled in the report by the step they first served (prefill, decode or mixed);
 - attention is metainfer's paged kernel (metainfer::paged_attention), reached through the
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from metainfer import inputs
+from metainfer.runtime import inputs
 
 ATTENTION_NAME = "metainfer_paged_flash"  # the engine admits custom attention names containing "flash"
 _STEP_KEY = "metainfer_kv"  # what the cache update hands the attention: (layer, read, write, sentinel)
@@ -153,7 +153,7 @@ class _Step:
         self.tokens = 0
 
     def use_compiled(self, policy, tokens: int) -> bool:
-        """Whether this step, of `tokens` query tokens, runs a compiled graph (metainfer.serve_compile
+        """Whether this step, of `tokens` query tokens, runs a compiled graph (metainfer.runtime.serve_compile
         decides)."""
         return policy.use_compiled(tokens, max(0, self.total - self.tokens) if self.total is not None else 0)
 
@@ -252,7 +252,7 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     - when the workload is known (`request_tokens`: each request's prompt plus new tokens), what
       it can ever hold at once (every request whole).
     `available` (bytes, source) stands in for the machine's reading (tests)."""
-    from metainfer import planner, shapes
+    from metainfer.hardware import planner, shapes
 
     model, target = opt.model, opt.target
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -380,7 +380,7 @@ def attention(opt):
     whether it is in use."""
     import torch.distributed as dist
 
-    from metainfer import distributed
+    from metainfer.parallel import distributed
 
     model = opt.model
     why_not = paged_attention_unsupported(model)
@@ -416,7 +416,7 @@ def forwards(opt, paged: bool, total: int | None = None):
     """While the engine runs: its forwards through metainfer (the compiled graph once compiling
     pays). Yields the step counter."""
     step = _Step(paged, total)
-    from metainfer import distributed
+    from metainfer.parallel import distributed
 
     if distributed.tp_mesh(opt.model) is not None:
         opt._serve_compile.in_a_job()

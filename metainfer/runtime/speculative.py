@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metainfer import planner
+from metainfer.hardware import planner
 
 # OptimizedModel -> (draft model -> stats, weakly; prompt lookup or the target itself -> stats)
 _STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -104,7 +104,7 @@ class Measured:
 
 
 def _shape(model):
-    from metainfer import shapes
+    from metainfer.hardware import shapes
 
     try:
         return shapes.resolve(model.config)
@@ -403,15 +403,10 @@ def _mtp(model, args, kwargs):
 def _optimized_drafter(opt, model):
     """`model` optimized the way `opt` was (target, passes, lowering), kept on the model itself
     (a weak map's value would keep its key alive) while it lives."""
-    from metainfer.api import optimize
-
-    b = opt._backend
-    how = dict(passes=[p.name for p in b.passes] if b.explicit else None, disable=tuple(sorted(b.disabled)),
-               lowering=b.lowering, pass_options=b.options or None)
+    how = opt.how_optimized()
     drafter = model.__dict__.get(_DRAFTER_ATTR)
-    if drafter is None or drafter.target != opt.target or drafter._metainfer_how != how:
-        drafter = optimize(model, b.target, **how)
-        drafter._metainfer_how = how  # the settings it was optimized with
+    if drafter is None or drafter.target != opt.target or drafter.how_optimized() != how:
+        drafter = opt.optimize_like(model)
         model.__dict__[_DRAFTER_ATTR] = drafter
     return drafter
 
@@ -424,7 +419,7 @@ def prepare(opt, args: tuple, kwargs: dict, draft_length, batch: int = 1) -> Spe
     lives); the kwargs are edited for the engine (Hugging Face: the assistant's model, not its
     wrapper; a models/ loop: `speculate=` this object). `batch`: the prompt's rows; the MTP loop
     takes one, so a batch runs the plain loop unless a draft length was asked for."""
-    from metainfer.api import OptimizedModel
+    OptimizedModel = type(opt)  # the API's class: this runtime layer does not import the API
 
     configs = [c for c in (kwargs.get("generation_config"), getattr(opt.model, "generation_config", None)) if c is not None]
     assistant = kwargs.get("assistant_model")

@@ -2,7 +2,7 @@
 
 A step of transformers' continuous batching runs one of two ways under metainfer:
 - eager: the model's own forward, with metainfer's paged attention and its traceable cache
-  update (metainfer.serving) but no compiled graph;
+  update (metainfer.runtime.serving) but no compiled graph;
 - compiled: the one graph metainfer compiles for every packed step (symbolic sizes).
 
 Compiling costs seconds to a minute (Inductor on CPU compiles C++), and a short batch can be

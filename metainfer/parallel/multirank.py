@@ -119,7 +119,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
 
 # What a rank needs before it runs fn, imported once into the forkserver (metainfer first: it
 # chooses Triton's mode before torch._dynamo imports triton.language).
-_PRELOAD = ("metainfer", "torch", "torch._dynamo", "torch.distributed", "metainfer.api", "metainfer.distributed",
+_PRELOAD = ("metainfer", "torch", "torch._dynamo", "torch.distributed", "metainfer.api", "metainfer.parallel.distributed",
             "metainfer.testing", "transformers")
 
 

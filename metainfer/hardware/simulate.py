@@ -1,5 +1,5 @@
 """Schedule simulator: a captured graph run on one device's compute stream and communication
-stream, with the cost model's times (metainfer.cost), honouring data dependencies and where
+stream, with the cost model's times (metainfer.hardware.cost), honouring data dependencies and where
 each `wait_tensor` sits.
 
 - A compute op starts when the compute stream is free and its inputs are ready.
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metainfer import cost
-from metainfer.fxops import is_c10d, op_name
-from metainfer.targets import Target
+from metainfer.hardware import cost
+from metainfer.hardware.fxops import is_c10d, op_name
+from metainfer.hardware.targets import Target
 
 COLLECTIVE_OPS = {
     "all_reduce": "all_reduce",
@@ -240,7 +240,7 @@ class GraphTimeline:
 def simulate(gm: "torch.fx.GraphModule | torch.fx.Graph", target: Target, algorithms: dict | None = None) -> Schedule:
     """Predicted schedule of one call of `gm` on one device of `target`. `algorithms` maps a
     collective node's name to the algorithm it runs (default: the library's, i.e. the first
-    listed in metainfer.cost.ALGORITHMS)."""
+    listed in metainfer.hardware.cost.ALGORITHMS)."""
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     walk = GraphTimeline(target, algorithms)
     for node in graph.nodes:

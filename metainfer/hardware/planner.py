@@ -15,7 +15,7 @@ A plan splits the target's N devices as tp x dp x pp (x ep for MoE experts):
   and back by all-to-all; ep = 1 keeps every expert on every rank, split like the MLP (tp).
 
 Each plan is priced by running one modelled layer per kind (dense, MoE) through the
-simulator's timeline with the cost model (metainfer.cost): its GEMMs, attention, norms and
+simulator's timeline with the cost model (metainfer.hardware.cost): its GEMMs, attention, norms and
 collectives at the plan's per-rank shapes, collectives on the best algorithm for the target
 (what metainfer's collective selection picks), issued and waited in order (no overlap): the
 floor is the same layer with communication fully hidden. Throughput is for a steady stream
@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from metainfer import cost
-from metainfer import targets as _targets
-from metainfer.shapes import ModelShape, resolve
-from metainfer.simulate import Timeline
+from metainfer.hardware import cost
+from metainfer.hardware import targets as _targets
+from metainfer.hardware.shapes import ModelShape, resolve
+from metainfer.hardware.simulate import Timeline
 
 MEMORY_UTILIZATION = 0.9
 PHASES = ("prefill", "decode")
@@ -499,10 +499,11 @@ def _best_draft(m, p, target, batch, seq, acceptance: float) -> tuple[int, float
         lambda k: k * draft_step)
 
 
-def plan(model, target="pcie8", *, phases=PHASES, batch: int | dict | None = None, seq: int | dict | None = None,
+def plan(model, target: _targets.Target, *, phases=PHASES, batch: int | dict | None = None, seq: int | dict | None = None,
          acceptance: float | None = None) -> PlanResult:
     """Price every parallelism plan of `model` on `target` for each phase and choose the one
-    with the highest predicted throughput that fits; see the module docstring.
+    with the highest predicted throughput that fits; see the module docstring. `target` is a
+    Target (metainfer.plan takes a name or TOML path too).
 
     model: a models/ name or config, a Hugging Face config (object or config.json path), or a
         ModelShape.
@@ -513,7 +514,7 @@ def plan(model, target="pcie8", *, phases=PHASES, batch: int | dict | None = Non
         picks the draft length that maximises accepted tokens per second.
     Raises PlanError when no plan fits the model on the target."""
     m = resolve(model)
-    t = _targets.get(target)
+    t = _targets.required(target, "planner.plan")
     phases = (phases,) if isinstance(phases, str) else tuple(phases)
     for ph in phases:
         if ph not in PHASES:

@@ -1,5 +1,5 @@
 """metainfer inside a torch.distributed job: the process group, the target's topology over
-the job's ranks, and the degrees the model is sharded with (metainfer.sharding applies them).
+the job's ranks, and the degrees the model is sharded with (metainfer.parallel.sharding applies them).
 
     torchrun --nproc-per-node 8 my_script.py      # my_script calls metainfer.optimize(...)
 
@@ -12,7 +12,7 @@ the job's ranks, and the degrees the model is sharded with (metainfer.sharding a
 - `choose_degrees(...)`: tp (and dp = world / tp) and whether experts are spread, from the
   planner's fastest plan that metainfer executes (no pipeline stages yet), or as the caller
   fixed them (`optimize(..., tensor_parallel=, expert_parallel=)`).
-- `prepare(...)`: the model sharded with its own plan (metainfer.sharding) inside each group
+- `prepare(...)`: the model sharded with its own plan (metainfer.parallel.sharding) inside each group
   of tp consecutive ranks, experts spread over that group where chosen; clear errors before
   any collective when the plan is missing or cannot be honoured.
 
@@ -32,19 +32,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from metainfer import targets as _targets
-from metainfer import sharding
+from metainfer.hardware import targets as _targets
+from metainfer.parallel import sharding
 from metainfer.passes import ranks
 from metainfer.passes.ranks import island_groups, rank, world_size
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def start(target, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+def start(target: _targets.Target, *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Start the default process group from torchrun's environment unless the job already
     has; set the target's collective-library settings first (ones the user set win).
     Returns the settings applied, "NAME=value" each."""
-    t = _targets.get(target)
+    t = _targets.required(target, "distributed.start")
     applied = []
     for name, (value, _) in t.collective_settings().items():
         if name not in os.environ:
@@ -60,11 +60,11 @@ def start(target, *, backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return applied
 
 
-def emulated(target, world: int, device_kind: str = "cpu") -> _targets.Target:
+def emulated(target: _targets.Target, world: int, device_kind: str = "cpu") -> _targets.Target:
     """`target` scaled onto `world` ranks (CPU ranks under gloo by default): the same number
     of islands where `world` divides evenly over them (else one island), rates and links
     unchanged."""
-    t = _targets.get(target)
+    t = _targets.required(target, "distributed.emulated")
     if world > t.num_devices:
         raise ValueError(f"{world} ranks but target {t.name!r} has {t.num_devices} devices")
     m = len(t.topology.islands)
@@ -89,7 +89,7 @@ def tp_mesh(model: torch.nn.Module):
     return _TP_MESHES.get(model)
 
 
-def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on: bool | None = None,
+def prepare(model: torch.nn.Module, target: _targets.Target, *, emulate: bool, expert_parallel_on: bool | None = None,
             tensor_parallel: int | None = None) -> tuple[_targets.Target, list[str]]:
     """Inside a job of several ranks: the target over the job's ranks (emulated on CPU ranks
     if asked), the degrees chosen (`choose_degrees`), the model sharded for tensor
@@ -99,12 +99,12 @@ def prepare(model: torch.nn.Module, target, *, emulate: bool, expert_parallel_on
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    t = _targets.get(target)
+    t = _targets.required(target, "distributed.prepare")
     w = world_size()
     if w <= 1:
         if emulate:
             raise ValueError("emulate=True runs a multi-device target on CPU ranks: start a process group of "
-                             "several ranks first (torchrun, or metainfer.multirank.run in tests)")
+                             "several ranks first (torchrun, or metainfer.parallel.multirank.run in tests)")
         if tensor_parallel not in (None, 1):
             raise ValueError(f"tensor_parallel={tensor_parallel} needs a job of that many ranks (torchrun)")
         return t, []
@@ -218,7 +218,7 @@ def choose_degrees(model: torch.nn.Module, target: _targets.Target, world: int, 
 def _planner_result(model, target):
     """The planner's plans for this model on the job's target (its default workloads), or
     None where it cannot read the model's shape or nothing fits."""
-    from metainfer import planner, shapes
+    from metainfer.hardware import planner, shapes
 
     cfg = getattr(model, "config", None)
     if cfg is None:

@@ -4,7 +4,8 @@ each run checked for equivalence against eager (optimize(..., verify=True)).
     python bench/match_counts.py [--lowerings inductor aot_eager] [--json out.json]
 
 Prints a table: model, lowering, then each pass's match count. Run it before and after a
-change to the passes or to the capture: the counts and equivalence must not move. Cost gates
+change to the passes or to the capture: the counts and equivalence must not move (the JSON
+also keeps each pass's decision and near-miss lines, to diff). Cost gates
 are off (pass_options) so a count is what the pass matched, not what the CPU's cost model kept.
 """
 
@@ -64,10 +65,13 @@ def main() -> None:
                 opt = metainfer.optimize(model, "cpu", example_inputs=(ids,), passes=PASSES, verify=True,
                                          lowering=lowering, pass_options={"cost_gates": False})
                 counts = [opt.report.matches(p) for p in PASSES]
+                said = {p: sorted(line for r in opt.report.passes if r.name == p for line in r.decisions + r.near_misses)
+                        for p in PASSES}
                 status = "equivalent"
             except Exception as e:  # a broken case is a row, not the end of the table
-                counts, status = [None] * len(PASSES), f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(dict(case=name, lowering=lowering, counts=dict(zip(PASSES, counts)), status=status))
+                counts, said, status = [None] * len(PASSES), {}, f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(dict(case=name, lowering=lowering, counts=dict(zip(PASSES, counts)), status=status,
+                             decisions_and_near_misses=said))
             print(name.ljust(28), lowering.ljust(10), " ".join(str(c).rjust(12) for c in counts),
                   "" if status == "equivalent" else status, flush=True)
     if args.json:

@@ -39,6 +39,10 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from metainfer.hardware import targets
 
 
 @dataclass

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch.fx
 
 from metainfer.hardware.targets import Target
+
+from .matching import location
 
 
 class NearMiss(Exception):
@@ -100,6 +103,64 @@ class FunctionPass(Pass):
 
     def fingerprint(self) -> str:
         return f"{self.name}:{_file_digest(self.fn)}"
+
+
+class MatchPass(Pass):
+    """The shape of every hand-written matcher: for each node of the graph, `match` finds the
+    pattern ending there (a site, None if there is none, or NearMiss if it is one that cannot
+    be rewritten), `refuse` may say why a matched site is left alone (the target, the cost
+    model), `rewrite` replaces it and `describe` writes its decision line. The loop, and how
+    near misses are recorded (where, then what was not done, then why), is here once.
+
+    Subclasses set `missed` ("attention not fused") and `misses` (the NearMiss subclasses their
+    matcher raises), and implement match / rewrite / describe; `start` makes the per-run state
+    handed to them (default: graph and ctx)."""
+
+    missed: str = "not rewritten"
+    misses: tuple[type[Exception], ...] = (NearMiss,)
+
+    def start(self, graph: torch.fx.Graph, ctx: PassContext) -> Any:
+        return SimpleNamespace(graph=graph, ctx=ctx)
+
+    def match(self, node: torch.fx.Node, state) -> Any:
+        raise NotImplementedError
+
+    def refuse(self, node: torch.fx.Node, site, state) -> str | None:
+        """Why this matched site is not rewritten (a whole near-miss line without its place),
+        None to rewrite it."""
+        return None
+
+    def rewrite(self, node: torch.fx.Node, site, state) -> None:
+        raise NotImplementedError
+
+    def describe(self, node: torch.fx.Node, site) -> str:
+        raise NotImplementedError
+
+    def notes(self, site) -> list[str]:
+        """Faster forms not taken at a site that was rewritten (recorded as near misses)."""
+        return []
+
+    def run(self, graph, ctx: PassContext) -> PassResult:
+        res = PassResult(modified=False)
+        state = self.start(graph, ctx)
+        for node in list(graph.nodes):
+            try:
+                site = self.match(node, state)
+                why = None if site is None else self.refuse(node, site, state)
+            except self.misses as e:
+                res.near_misses.append(f"{location(node)}: {self.missed}: {e}")
+                continue
+            if site is None:
+                continue
+            if why:
+                res.near_misses.append(f"{location(node)}: {why}")
+                continue
+            self.rewrite(node, site, state)
+            res.matches += 1
+            res.decisions.append(self.describe(node, site))
+            res.near_misses.extend(f"{location(node)}: {w}" for w in self.notes(site))
+        res.modified = res.matches > 0
+        return res
 
 
 def _file_digest(obj) -> str:

@@ -33,7 +33,7 @@ from metainfer.kernels.attention import MAX_HEAD_DIM
 
 from . import base
 from . import mask_analysis as ma
-from .base import Pass, PassContext, PassResult, register
+from .base import MatchPass, register
 from .matching import (
     CONVERT_OPS, VIEW_OPS, Node, aten, constant_value, dtype, insert_call, is_noop_view,
     is_op, is_reshape, is_scalar, peel, rehome_size_reads, size_reads_rehomable, skip_noop_views,
@@ -88,29 +88,28 @@ class Match:
 
 
 @register
-class FuseAttention(Pass):
+class FuseAttention(MatchPass):
     """softmax(q k^T * scale + mask) v (eager and SDPA forms) -> metainfer::attention"""
 
     name = "fuse_attention"
     cost_gated = True
+    missed = "attention not fused"
+    misses = (NearMiss,)
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        interp = ma.MaskInterpreter()
-        for node in list(graph.nodes):
-            try:
-                m = match_site(node, interp)
-            except NearMiss as e:
-                res.near_misses.append(f"{location(node)}: attention not fused: {e}")
-                continue
-            if m is None:
-                continue
-            rewrite(graph, m)
-            res.matches += 1
-            res.decisions.append(describe(m, node))
-            res.near_misses.extend(f"{location(node)}: {why}" for why in m.misses)
-        res.modified = res.matches > 0
-        return res
+    def start(self, graph, ctx):
+        return ma.MaskInterpreter()
+
+    def match(self, node, interp):
+        return match_site(node, interp)
+
+    def rewrite(self, node, m, interp):
+        rewrite(node.graph, m)
+
+    def describe(self, node, m):
+        return describe(m, node)
+
+    def notes(self, m):
+        return m.misses
 
 
 def match_site(node: Node, interp: ma.MaskInterpreter) -> Match | None:

@@ -31,7 +31,7 @@ from metainfer.hardware import targets
 from metainfer.kernels.moe import FP8_DTYPES as KERNEL_FP8
 
 from . import base
-from .base import Pass, PassContext, PassResult, register
+from .base import MatchPass, register
 
 from .fp8_dequant import NotDequant, find_dequant
 from .matching import (
@@ -63,31 +63,27 @@ class Site:
 
 
 @register
-class FuseMoE(Pass):
+class FuseMoE(MatchPass):
     """per-expert loop / HF grouped_mm / HF batched_mm experts -> metainfer::moe_experts (one grouped GEMM)"""
 
     name = "fuse_moe"
     cost_gated = True
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        for node in list(graph.nodes):
-            try:
-                site = _match(node)
-            except (NearMiss, NotDequant) as e:  # its own, or fp8_dequant's (a scale it cannot prove)
-                res.near_misses.append(f"{location(node)}: experts not fused: {e}")
-                continue
-            if site is None:
-                continue
-            why_not = _fp8_unsupported(site, ctx.target)
-            if why_not:
-                res.near_misses.append(f"{location(node)}: experts not fused: {why_not}")
-                continue
-            _rewrite(graph, site)
-            res.matches += 1
-            res.decisions.append(_describe(site))
-        res.modified = res.matches > 0
-        return res
+    missed = "experts not fused"
+    misses = (NearMiss, NotDequant)  # its own, or fp8_dequant's (a scale it cannot prove)
+
+    def match(self, node, state):
+        return _match(node)
+
+    def refuse(self, node, site, state):
+        why_not = _fp8_unsupported(site, state.ctx.target)
+        return f"experts not fused: {why_not}" if why_not else None
+
+    def rewrite(self, node, site, state):
+        _rewrite(state.graph, site)
+
+    def describe(self, node, site):
+        return _describe(site)
 
 
 def _fp8_unsupported(site: Site, target) -> str | None:
@@ -250,6 +246,22 @@ def _expert_weight(w_t: Node, e: int | None):
     return (ws.args[0], ss.args[0]), ws.args[2], (dq.block_n, dq.block_k), nodes + [*dq.nodes, ws, ss]
 
 
+def _expert_rows(idx: Node, top: Node) -> "tuple[Node, int, tuple] | None":
+    """(ids, e, the nodes) if idx, top = unbind(nonzero(ids == e), 1): the (token, slot) pairs
+    routed to expert e."""
+    if not (idx.target is operator.getitem and top.target is operator.getitem and idx.args[0] is top.args[0]
+            and idx.args[1] == 0 and top.args[1] == 1):
+        return None
+    unbind = idx.args[0]
+    if not (is_op(unbind, aten.unbind) and unbind.args[1] == 1 and is_op(unbind.args[0], aten.nonzero)):
+        return None
+    nz = unbind.args[0]
+    eq = nz.args[0]
+    if not (is_op(eq, aten.eq) and isinstance(eq.args[1], int)):
+        return None
+    return eq.args[0], eq.args[1], (unbind, nz, eq)
+
+
 def _loop_expert(link: Node) -> dict | None:
     """One iteration: index_put(acc, [idx], mm(h, Wd^T) * w[idx, top, None], True)."""
     idx, val = _accumulated(link)
@@ -265,18 +277,10 @@ def _loop_expert(link: Node) -> dict | None:
     if not (is_op(src, aten.unsqueeze) and src.args[1] in (2, -1) and len(where) == 2 and where[0] is idx):
         return None
     wts, top = src.args[0], where[1]
-    # idx, top = unbind(nonzero(ids == e), 1)
-    if not (idx.target is operator.getitem and top.target is operator.getitem and idx.args[0] is top.args[0]
-            and idx.args[1] == 0 and top.args[1] == 1):
+    selected = _expert_rows(idx, top)
+    if selected is None:
         return None
-    unbind = idx.args[0]
-    if not (is_op(unbind, aten.unbind) and unbind.args[1] == 1 and is_op(unbind.args[0], aten.nonzero)):
-        return None
-    nz = unbind.args[0]
-    eq = nz.args[0]
-    if not (is_op(eq, aten.eq) and isinstance(eq.args[1], int)):
-        return None
-    ids, expert = eq.args[0], eq.args[1]
+    ids, expert, (unbind, nz, eq) = selected
     # the expert's MLP on x[idx]
     found = _swiglu(down.args[0])
     if found is None:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 import operator
+from types import SimpleNamespace
 
 import torch
 
 
 from . import base
-from .base import Pass, PassContext, PassResult, register
+from .base import MatchPass, register
 from .matching import (
     VIEW_OPS, Node, aten, arg, dtype, insert_call, is_op, linear_operands, location, peel, same, shape, untransposed, escaping_uses,
     sizes_available,
@@ -41,42 +42,43 @@ class NearMiss(base.NearMiss):
 
 
 @register
-class MLADecode(Pass):
+class MLADecode(MatchPass):
     """MLA attention over a decompressed latent cache -> absorbed form + metainfer::mla_decode"""
 
     name = "mla_decode"
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        decided: dict[tuple, tuple[bool, str]] = {}  # sites of the same sizes decide alike
-        for node in list(graph.nodes):
-            if node.target not in (_ATTENTION, _SPARSE):
-                continue
-            try:
-                site = _match(node)
-                if site is None:
-                    continue
-                if node.target is _ATTENTION and (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
-                    raise NearMiss("the attention is soft-capped or windowed, which metainfer.mla_decode does not compute")
-                if not sizes_available(graph, node, [shape(site["q_nope"]), shape(node)], site["region"]):
-                    raise NearMiss("a symbolic size the absorbed form needs is not available")
-            except NearMiss as e:
-                res.near_misses.append(f"{location(node)}: MLA decode not absorbed: {e}")
-                continue
-            key = _signature(node, site)
-            if key not in decided:
-                decided[key] = ((True, "forced (pass option mla_decode)") if ctx.options.get("mla_decode")
-                                else _pays(graph, node, site, ctx.target))
-            pays, why = decided[key]
-            if not pays:
-                res.near_misses.append(f"{location(node)}: MLA kept decompressed: {why}")
-                continue
-            _rewrite(graph, node, site)
-            res.matches += 1
-            res.decisions.append(f"{location(node)}: MLA over the latent cache -> absorbed form + "
-                                 f"metainfer.mla_decode{' (sparse)' if node.target is _SPARSE else ''}; {why}")
-        res.modified = res.matches > 0
-        return res
+    missed = "MLA decode not absorbed"
+    misses = (NearMiss,)
+
+    def start(self, graph, ctx):
+        return SimpleNamespace(graph=graph, ctx=ctx, decided={})  # sites of the same sizes decide alike
+
+    def match(self, node, state):
+        if node.target not in (_ATTENTION, _SPARSE):
+            return None
+        site = _match(node)
+        if site is None:
+            return None
+        if node.target is _ATTENTION and (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
+            raise NearMiss("the attention is soft-capped or windowed, which metainfer.mla_decode does not compute")
+        if not sizes_available(state.graph, node, [shape(site["q_nope"]), shape(node)], site["region"]):
+            raise NearMiss("a symbolic size the absorbed form needs is not available")
+        return site
+
+    def refuse(self, node, site, state):
+        key = _signature(node, site)
+        if key not in state.decided:
+            state.decided[key] = ((True, "forced (pass option mla_decode)") if state.ctx.options.get("mla_decode")
+                                  else _pays(state.graph, node, site, state.ctx.target))
+        pays, site["why"] = state.decided[key]
+        return None if pays else f"MLA kept decompressed: {site['why']}"
+
+    def rewrite(self, node, site, state):
+        _rewrite(state.graph, node, site)
+
+    def describe(self, node, site):
+        return (f"{location(node)}: MLA over the latent cache -> absorbed form + "
+                f"metainfer.mla_decode{' (sparse)' if node.target is _SPARSE else ''}; {site['why']}")
 
 
 # ---- matching -------------------------------------------------------------------------------

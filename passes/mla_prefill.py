@@ -15,41 +15,51 @@ from __future__ import annotations
 
 from . import fuse_attention as fa
 from . import mask_analysis as ma
-from .base import Pass, PassContext, PassResult, register
-from .matching import Node, aten, constant_value, is_op, location, ndim, same, shape
+from . import base
+from .base import MatchPass, register
+from .matching import Node, aten, constant_value, is_op, ndim, same, shape
+
+
+class NearMiss(base.NearMiss):
+    """MLA attention recognised, but not fused; the message says why."""
 
 
 @register
-class MLAPrefill(Pass):
+class MLAPrefill(MatchPass):
     """MLA attention (v head dim != q head dim, or V zero-padded) -> metainfer::attention, unpadded"""
 
     name = "mla_prefill"
     cost_gated = True
+    missed = "MLA attention not fused"
+    misses = (NearMiss,)
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        interp = ma.MaskInterpreter()
-        for node in list(graph.nodes):
-            if not (is_op(node, aten.bmm) or node.target in fa.SDPA_OPS):
-                continue
-            try:
-                m = fa.match_site(node, interp)
-            except fa.NearMiss as e:
-                if _looks_mla(node):
-                    res.near_misses.append(f"{location(node)}: MLA attention not fused: {e}")
-                continue
-            if m is None:
-                continue
-            unpadded = _drop_v_padding(m)
-            _, _, _, D, _, _, Dv, _, _ = fa.dims(m)
-            if not unpadded and same(D, Dv):
-                continue  # ordinary attention: fuse_attention's
-            fa.rewrite(graph, m)
-            res.matches += 1
-            how = f"V zero-padding {unpadded} -> {Dv} dropped" if unpadded else "V read at its own width"
-            res.decisions.append(f"{fa.describe(m, node)}; MLA: q/k head {D}, v head {Dv}, {how}")
-        res.modified = res.matches > 0
-        return res
+    def start(self, graph, ctx):
+        return ma.MaskInterpreter()
+
+    def match(self, node, interp):
+        if not (is_op(node, aten.bmm) or node.target in fa.SDPA_OPS):
+            return None
+        try:
+            m = fa.match_site(node, interp)
+        except fa.NearMiss as e:
+            if _looks_mla(node):
+                raise NearMiss(str(e)) from None
+            return None  # not MLA: fuse_attention reports it
+        if m is None:
+            return None
+        unpadded = _drop_v_padding(m)
+        _, _, _, D, _, _, Dv, _, _ = fa.dims(m)
+        if not unpadded and same(D, Dv):
+            return None  # ordinary attention: fuse_attention's
+        return m, unpadded, D, Dv
+
+    def rewrite(self, node, site, interp):
+        fa.rewrite(node.graph, site[0])
+
+    def describe(self, node, site):
+        m, unpadded, D, Dv = site
+        how = f"V zero-padding {unpadded} -> {Dv} dropped" if unpadded else "V read at its own width"
+        return f"{fa.describe(m, node)}; MLA: q/k head {D}, v head {Dv}, {how}"
 
 
 def _zero_pad_last(n) -> tuple[Node, int] | None:

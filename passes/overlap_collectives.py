@@ -228,6 +228,25 @@ def group_names(order: list[Node]) -> list[str]:
     return sorted({g for n in order if is_collective(n) and (g := group_name(n)) is not None})
 
 
+def _moved(old: list[Node], new: list[Node], target, blocked_before: dict, blocked_after: dict) -> list[str]:
+    """A decision line per collective the new order gives more compute to hide behind, or less
+    exposed time."""
+    lines = []
+    waits = {n.args[0]: n for n in new if is_wait(n) and isinstance(n.args[0], Node)}
+    for c in (n for n in new if is_collective(n)):
+        w = waits.get(c)
+        if w is None:
+            continue
+        gained = _compute_between(new, c, w, target) - _compute_between(old, c, w, target)
+        if gained <= 0 and blocked_after[w] >= blocked_before[w]:
+            continue
+        lines.append(f"{location(c)}: {op_name(c)[1]} {cost.tensor_bytes(tensor_val(c)) / 2**10:.1f} KiB: "
+                     f"{_compute_between(new, c, w, target)} compute op(s) now between issue and wait "
+                     f"({_compute_between(old, c, w, target)} before); predicted exposed "
+                     f"{blocked_before[w] * 1e6:.1f} -> {blocked_after[w] * 1e6:.1f} us")
+    return lines
+
+
 @register
 class OverlapCollectives(Pass):
     """collective ... wait(collective) -> collective issued early, wait late, independent compute between"""
@@ -275,21 +294,9 @@ class OverlapCollectives(Pass):
         if lookahead:  # a copy priced for another pass's decision: the order is all that counts
             res.matches = 1
             return res
-        waits = {n.args[0]: n for n in new if is_wait(n) and isinstance(n.args[0], Node)}
-        for c in (n for n in new if is_collective(n)):
-            w = waits.get(c)
-            if w is None:
-                continue
-            gained = _compute_between(new, c, w, target) - _compute_between(old, c, w, target)
-            if gained <= 0 and blocked_after[w] >= blocked_before[w]:
-                continue
-            res.matches += 1
-            v = tensor_val(c)
-            res.decisions.append(
-                f"{location(c)}: {op_name(c)[1]} {cost.tensor_bytes(v) / 2**10:.1f} KiB: "
-                f"{_compute_between(new, c, w, target)} compute op(s) now between issue and wait "
-                f"({_compute_between(old, c, w, target)} before); predicted exposed "
-                f"{blocked_before[w] * 1e6:.1f} -> {blocked_after[w] * 1e6:.1f} us")
+        moved = _moved(old, new, target, blocked_before, blocked_after)
+        res.matches += len(moved)
+        res.decisions.extend(moved)
         res.decisions.append(f"graph re-ordered: {figures}; {memory}")
         res.modified = True
         return res

@@ -96,42 +96,15 @@ class PipelineCollectives(Pass):
             kind = kinds.get(node.target) if node.op == "call_function" else None
             if kind is None:
                 continue
-            waits = list(node.users)
-            group = node.args[-1]
-            where = location(node)
-            if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default or \
-                    (kind != "all_gather" and node.args[1] != "sum"):
-                res.near_misses.append(f"{where}: {kind} not pipelined: not a sum with a single wait")
+            found = _site(node, kind, target)
+            if isinstance(found, str):
+                res.near_misses.append(f"{location(node)}: {kind} not pipelined: {found}")
                 continue
-            wait = waits[0]
-            try:
-                pg = dist.distributed_c10d._resolve_process_group(group)
-            except Exception:
+            if found is None:
                 continue
-            ranks = tuple(dist.get_process_group_ranks(pg))
-            n = len(ranks)
-            if n < 2 or max(ranks) >= target.num_devices:
-                continue
-            if kind == "all_gather":
-                users = _consumers(wait) if _static(node.args[0]) and len(shape(node.args[0])) == 2 else None
-                if users is None:
-                    res.near_misses.append(f"{where}: all_gather not pipelined: its rows feed more than matmuls")
-                    continue
-                rows, k_dim = shape(wait)
-                widths = [shape(u)[1] for u in users]
-                step = shape(node.args[0])[0]  # chunks of every rank's block
-            else:
-                mm = _mm_feeding(node)
-                if mm is None:
-                    res.near_misses.append(f"{where}: {kind} not pipelined: its input is not one static-shape matmul's")
-                    continue
-                rows, k_dim = shape(mm.args[0])
-                widths = [shape(mm)[1]]
-                step = rows // n if kind == "reduce_scatter" else rows
-            exact = kind != "all_reduce"  # the other two need equal chunks of each rank's block
-            options = [k for k in K_CHOICES if k <= step and (not exact or step % k == 0)]
-            site = (kind, node, wait, mm if kind != "all_gather" else None, users if kind == "all_gather" else [], n)
-            signature = (kind, rows, k_dim, tuple(widths), n, str(tensor_val(node.args[0]).dtype))
+            site, options, signature = found
+            where, n = location(node), site[-1]
+            _, rows, k_dim, widths = signature[:4]
             if signature in decided:  # sites of the same sizes (every layer's) decide alike
                 times = decided[signature]
             else:
@@ -155,6 +128,44 @@ class PipelineCollectives(Pass):
             res.matches += 1
             res.modified = True
         return res
+
+
+def _site(node: Node, kind: str, target) -> "tuple | str | None":
+    """(the site to rewrite, the chunk counts it allows, its signature: sites of equal
+    signature decide alike) for a collective beside a matmul; why not (a near miss); or None
+    (not a group of the target's ranks)."""
+    waits = list(node.users)
+    if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default or \
+            (kind != "all_gather" and node.args[1] != "sum"):
+        return "not a sum with a single wait"
+    wait = waits[0]
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(node.args[-1])
+    except Exception:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    n = len(ranks)
+    if n < 2 or max(ranks) >= target.num_devices:
+        return None
+    mm, users = None, []
+    if kind == "all_gather":
+        users = _consumers(wait) if _static(node.args[0]) and len(shape(node.args[0])) == 2 else None
+        if users is None:
+            return "its rows feed more than matmuls"
+        rows, k_dim = shape(wait)
+        widths = [shape(u)[1] for u in users]
+        step = shape(node.args[0])[0]  # chunks of every rank's block
+    else:
+        mm = _mm_feeding(node)
+        if mm is None:
+            return "its input is not one static-shape matmul's"
+        rows, k_dim = shape(mm.args[0])
+        widths = [shape(mm)[1]]
+        step = rows // n if kind == "reduce_scatter" else rows
+    exact = kind != "all_reduce"  # the other two need equal chunks of each rank's block
+    options = [k for k in K_CHOICES if k <= step and (not exact or step % k == 0)]
+    signature = (kind, rows, k_dim, tuple(widths), n, str(tensor_val(node.args[0]).dtype))
+    return (kind, node, wait, mm, users, n), options, signature
 
 
 def _rewrite(graph, site: tuple, k: int, node_map: "dict | None" = None) -> None:

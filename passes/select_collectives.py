@@ -113,73 +113,97 @@ class SelectCollectives(Pass):
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)
-        target = ctx.target
         low = transport_dtype(ctx)
-        groups = ranks.island_groups(target) if dist.is_available() and dist.is_initialized() else None
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not c10d.all_reduce.default:
                 continue
-            x, op, group_name = node.args[:3]
-            waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
-            val = tensor_val(x)
-            pg = _group(group_name)
-            if len(waits) != 1 or len(node.users) != 1 or val is None or pg is None:
-                res.near_misses.append(f"{location(node)}: all_reduce kept: not a single wait on a known group")
+            site = _site(node, ctx.target)
+            if isinstance(site, str):
+                res.near_misses.append(f"{location(node)}: all_reduce kept: {site}")
                 continue
-            members = tuple(dist.get_process_group_ranks(pg))
-            n = len(members)
-            if n < 2 or max(members) >= target.num_devices:
+            if site is None:
                 continue
-            if op != "sum":
-                res.near_misses.append(f"{location(node)}: all_reduce kept: reduce op {op!r} (only sum is rewritten)")
-                continue
-            numel = val.numel()
-            if not isinstance(numel, int):
-                res.near_misses.append(f"{location(node)}: all_reduce kept: symbolic size")
-                continue
+            val = tensor_val(node.args[0])
             narrow = low is not None and val.dtype.is_floating_point and val.element_size() > low.itemsize
-            nbytes = numel * (low.itemsize if narrow else val.element_size())
-            allowed = allowed_algorithms(target, members)
-            options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=members) if c.algorithm in allowed]
-            chosen = min(options, key=lambda c: c.seconds)
-            if chosen.algorithm in ("one_shot", "two_shot"):
-                why_not = _reserve_symmetric(group_name, low if narrow else val.dtype, numel)
-                if why_not is not None:
-                    res.near_misses.append(f"{location(node)}: all_reduce not {_LABEL[chosen.algorithm]}: {why_not}")
-                    options = [c for c in options if c.algorithm not in ("one_shot", "two_shot")]
-                    chosen = min(options, key=lambda c: c.seconds)
-            ring = next(c for c in options if c.algorithm == "ring")
-            others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)
-            where = location(node)
-            head = (f"{where}: all_reduce {nbytes / 2**10:.1f} KiB over {n} ranks: {_LABEL[chosen.algorithm]}, "
-                    f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; bytes across islands "
-                    f"{chosen.bytes_inter / 2**10:.1f} KiB (ring {ring.bytes_inter / 2**10:.1f}), inside islands "
-                    f"{chosen.bytes_intra / 2**10:.1f} KiB (ring {ring.bytes_intra / 2**10:.1f}), all ranks together")
-            if narrow:
-                head += f"; sent as {str(low).replace('torch.', '')} (all_reduce_dtype)"
-            if chosen.algorithm == "ring" and not narrow:
+            chosen, head = _choose(node, site, ctx.target, low if narrow else None, res.near_misses)
+            if chosen == "ring" and not narrow:
                 res.decisions.append(head + " (kept)")
                 continue
-            src = insert_call(graph, node, prims.convert_element_type.default, (x, low), meta_from=node) if narrow else x
-            if chosen.algorithm in ("one_shot", "two_shot"):  # P2P kernels on symmetric memory
-                out = insert_call(graph, node, torch.ops.metainfer.symm_mem_all_reduce.default,
-                                  (src, chosen.algorithm, group_name), meta_from=node)
-            elif chosen.algorithm == "ring":
-                ar = insert_call(graph, node, c10d.all_reduce.default, (src, "sum", group_name), meta_from=node)
-                out = insert_call(graph, node, c10d.wait_tensor.default, (ar,), meta_from=node)
-            else:
-                out = _hierarchical(graph, node, src, groups.intra_for(me), groups.cross_for(me),
-                                    len(groups.islands[0]), numel)
-            if narrow:
-                out = insert_call(graph, node, prims.convert_element_type.default, (out, val.dtype), meta_from=node)
-            waits[0].replace_all_uses_with(out)
-            graph.erase_node(waits[0])
-            graph.erase_node(node)
+            _emit(graph, node, chosen, low if narrow else None, ctx.target)
             res.decisions.append(head)
             res.matches += 1
             res.modified = True
         return res
+
+
+def _site(node: Node, target) -> "tuple[int, ...] | str | None":
+    """The ranks of a sum all-reduce this pass may rewrite (its one wait, a known group of two
+    or more of the target's ranks, a static size); why not (a near miss); or None (not the
+    target's group)."""
+    x, op, group_name = node.args[:3]
+    waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+    val = tensor_val(x)
+    pg = _group(group_name)
+    if len(waits) != 1 or len(node.users) != 1 or val is None or pg is None:
+        return "not a single wait on a known group"
+    members = tuple(dist.get_process_group_ranks(pg))
+    if len(members) < 2 or max(members) >= target.num_devices:
+        return None
+    if op != "sum":
+        return f"reduce op {op!r} (only sum is rewritten)"
+    if not isinstance(val.numel(), int):
+        return "symbolic size"
+    return members
+
+
+def _choose(node: Node, members, target, low, near_misses: list[str]) -> tuple[str, str]:
+    """(the algorithm the cost model picks for this all-reduce, its decision line); sent as
+    `low` when given. A P2P algorithm whose symmetric buffer cannot be reserved is a near miss
+    and the next best is taken."""
+    val = tensor_val(node.args[0])
+    numel, n = val.numel(), len(members)
+    nbytes = numel * (low.itemsize if low is not None else val.element_size())
+    allowed = allowed_algorithms(target, members)
+    options = [c for c in cost.candidates("all_reduce", nbytes, target, ranks=members) if c.algorithm in allowed]
+    chosen = min(options, key=lambda c: c.seconds)
+    if chosen.algorithm in ("one_shot", "two_shot"):
+        why_not = _reserve_symmetric(node.args[2], low or val.dtype, numel)
+        if why_not is not None:
+            near_misses.append(f"{location(node)}: all_reduce not {_LABEL[chosen.algorithm]}: {why_not}")
+            options = [c for c in options if c.algorithm not in ("one_shot", "two_shot")]
+            chosen = min(options, key=lambda c: c.seconds)
+    ring = next(c for c in options if c.algorithm == "ring")
+    others = ", ".join(f"{_LABEL[c.algorithm]} {c.seconds * 1e6:.0f} us" for c in options if c is not chosen)
+    head = (f"{location(node)}: all_reduce {nbytes / 2**10:.1f} KiB over {n} ranks: {_LABEL[chosen.algorithm]}, "
+            f"predicted {chosen.seconds * 1e6:.0f} us vs {others}; bytes across islands "
+            f"{chosen.bytes_inter / 2**10:.1f} KiB (ring {ring.bytes_inter / 2**10:.1f}), inside islands "
+            f"{chosen.bytes_intra / 2**10:.1f} KiB (ring {ring.bytes_intra / 2**10:.1f}), all ranks together")
+    if low is not None:
+        head += f"; sent as {str(low).replace('torch.', '')} (all_reduce_dtype)"
+    return chosen.algorithm, head
+
+
+def _emit(graph, node: Node, algorithm: str, low, target) -> None:
+    """Replace the all-reduce and its wait by `algorithm` (sent as `low` when given)."""
+    x, _, group_name = node.args[:3]
+    wait = next(iter(node.users))
+    val = tensor_val(x)
+    src = insert_call(graph, node, prims.convert_element_type.default, (x, low), meta_from=node) if low is not None else x
+    if algorithm in ("one_shot", "two_shot"):  # P2P kernels on symmetric memory
+        out = insert_call(graph, node, torch.ops.metainfer.symm_mem_all_reduce.default,
+                          (src, algorithm, group_name), meta_from=node)
+    elif algorithm == "ring":
+        ar = insert_call(graph, node, c10d.all_reduce.default, (src, "sum", group_name), meta_from=node)
+        out = insert_call(graph, node, c10d.wait_tensor.default, (ar,), meta_from=node)
+    else:
+        groups, me = ranks.island_groups(target), dist.get_rank()
+        out = _hierarchical(graph, node, src, groups.intra_for(me), groups.cross_for(me),
+                            len(groups.islands[0]), val.numel())
+    if low is not None:
+        out = insert_call(graph, node, prims.convert_element_type.default, (out, val.dtype), meta_from=node)
+    wait.replace_all_uses_with(out)
+    graph.erase_node(wait)
+    graph.erase_node(node)
 
 
 def _flat_padded(graph, before: Node, x: Node, numel: int, multiple: int) -> Node:

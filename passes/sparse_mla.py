@@ -27,7 +27,7 @@ import torch
 
 
 from . import base
-from .base import Pass, PassContext, PassResult, register
+from .base import MatchPass, register
 from .matching import (
     CONVERT_OPS, Node, aten, arg, constant_value, dtype, insert_call, is_op, location, maybe_same, ndim, same, shape, uncast,
 )
@@ -40,52 +40,46 @@ class NotSelection(base.NearMiss):
 
 
 @register
-class SparseMLA(Pass):
+class SparseMLA(MatchPass):
     """dense attention with a scattered top-k mask (DSA fallback) -> metainfer::sparse_attention"""
 
     name = "sparse_mla"
+    missed = "sparse attention not used"
+    misses = (NotSelection,)
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        for node in list(graph.nodes):
-            if node.target is not torch.ops.metainfer.attention.default:
-                continue
-            q, k, v, mask, scale, causal, offset, zero_empty = node.args[:8]
-            if mask is None:
-                continue
-            try:
-                found = split_mask(mask)
-            except NotSelection as e:
-                res.near_misses.append(f"{location(node)}: sparse attention not used: {e}")
-                continue
-            if found is None:
-                continue
-            if (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
-                res.near_misses.append(f"{location(node)}: sparse attention not used: the attention is soft-capped "
-                                       "or windowed, which metainfer.sparse_attention does not compute")
-                continue
-            sel, base, fill = found
-            idx, topk = sel.idx, sel.k
-            B, _, Sq, _ = shape(q)
-            if not (same(sel.keys, shape(k)[2]) and maybe_same(shape(idx)[0], B) and maybe_same(shape(idx)[1], Sq)):
-                res.near_misses.append(f"{location(node)}: sparse attention not used: selection over "
-                                       f"{sel.keys} keys, indices {list(shape(idx))}, for q {list(shape(q))} "
-                                       f"and k {list(shape(k))}")
-                continue
-            if base is not None and len(shape(base)) == 3:  # (B, S, T) from inside unsqueeze(., 1)
-                base = insert_call(graph, node, aten.unsqueeze.default, (base, 1))
-            new = insert_call(graph, node, torch.ops.metainfer.sparse_attention.default,
-                              (q, k, v, idx, base, scale, causal, offset, zero_empty, fill))
-            node.replace_all_uses_with(new)
-            res.matches += 1
-            Sk = shape(k)[2]
-            fix = "" if fill == -math.inf else f"; unselected keys filled with {fill:.3g}: fully masked rows recomputed densely"
-            res.decisions.append(
-                f"{location(node)}: top-{topk} selection folded into a dense mask -> metainfer.sparse_attention "
-                f"({Sq} queries x {topk} selected keys instead of x {Sk}; base mask "
+    def match(self, node, state):
+        if node.target is not torch.ops.metainfer.attention.default or node.args[3] is None:
+            return None
+        found = split_mask(node.args[3])
+        if found is None:
+            return None
+        if (arg(node, 8, "softcap", 0.0), arg(node, 9, "window", 0)) != (0.0, 0):
+            raise NotSelection("the attention is soft-capped or windowed, which metainfer.sparse_attention does "
+                               "not compute")
+        sel = found[0]
+        q, k = node.args[:2]
+        B, _, Sq, _ = shape(q)
+        if not (same(sel.keys, shape(k)[2]) and maybe_same(shape(sel.idx)[0], B) and maybe_same(shape(sel.idx)[1], Sq)):
+            raise NotSelection(f"selection over {sel.keys} keys, indices {list(shape(sel.idx))}, for q {list(shape(q))} "
+                               f"and k {list(shape(k))}")
+        return list(found)  # [selection, base mask, fill]; rewrite may lift the base mask to 4-D
+
+    def rewrite(self, node, found, state):
+        q, k, v, mask, scale, causal, offset, zero_empty = node.args[:8]
+        sel, base, fill = found
+        if base is not None and len(shape(base)) == 3:  # (B, S, T) from inside unsqueeze(., 1)
+            base = found[1] = insert_call(state.graph, node, aten.unsqueeze.default, (base, 1))
+        new = insert_call(state.graph, node, torch.ops.metainfer.sparse_attention.default,
+                          (q, k, v, sel.idx, base, scale, causal, offset, zero_empty, fill))
+        node.replace_all_uses_with(new)
+
+    def describe(self, node, found):
+        sel, base, fill = found
+        q, k = node.args[:2]
+        fix = "" if fill == -math.inf else f"; unselected keys filled with {fill:.3g}: fully masked rows recomputed densely"
+        return (f"{location(node)}: top-{sel.k} selection folded into a dense mask -> metainfer.sparse_attention "
+                f"({shape(q)[2]} queries x {sel.k} selected keys instead of x {shape(k)[2]}; base mask "
                 f"{'none' if base is None else list(shape(base))}{fix})")
-        res.modified = res.matches > 0
-        return res
 
 
 def _views(n):

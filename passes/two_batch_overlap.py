@@ -137,6 +137,8 @@ class BatchTrace:
         self.slices.setdefault(n, {})[a] = j
 
     def _trace(self, n: Node):
+        """The dimension of n's output that carries the batch (None: shared by both halves; a
+        list for a tuple output), or Unsplittable."""
         ns, name = _name(n)
         args = n.args
         inner = {a in self.permuted for a in n.all_input_nodes if self.d(a) is not None}
@@ -169,6 +171,14 @@ class BatchTrace:
             if tensor_val(n).dtype.itemsize != tensor_val(x).dtype.itemsize:
                 self._need(n, "reinterprets the rows' bytes at another element width")
             return bx
+        for applies, rule in _RULES:
+            if applies(ns, name, args):
+                return rule(self, n, name, x, bx, v)
+        self._need(n, "no batch rule for this op")
+
+    # -- batch rules, one per family of ops: (n, its op's name, first argument, its batch dim, n's value)
+    def _layout(self, n, name, x, bx, v):
+        args = n.args
         if name == "permute":
             return [_norm(d, tensor_val(x).ndim) for d in args[1]].index(bx)
         if name in ("transpose", "t"):
@@ -186,89 +196,105 @@ class BatchTrace:
             return bx - sum(1 for d in dims if d < bx and tensor_val(x).shape[d] == 1)
         if name == "expand":
             return bx + len(args[1]) - tensor_val(x).ndim
-        if name in ("slice", "select", "split", "split_with_sizes", "unbind", "narrow"):
-            nd = tensor_val(x).ndim
-            at = 2 if name in ("split", "split_with_sizes") else 1
-            dim = _norm(args[at] if len(args) > at else n.kwargs.get("dim", 0), nd)
-            if dim == bx and name == "slice" and _rows_of_this_rank(n, x, bx):
-                # sequence parallelism's slice of this rank's rows: of each half, its half of the rows
-                self.permuted.add(n)
-                self.halved.add(n)
-                return bx
-            if dim == bx:
-                self._need(n, "indexes the batch dimension")
-            if name in ("select", "unbind"):
-                out = bx - 1 if dim < bx else bx
-                return [out] * len(v) if name == "unbind" else out
-            return [bx] * len(v) if name in ("split", "split_with_sizes") else bx
-        if name in ("cat", "stack"):
-            parts = args[0]
-            nd = tensor_val(parts[0]).ndim
-            dim = _norm(args[1] if len(args) > 1 else 0, nd + (name == "stack"))
-            ds = {self.d(p) for p in parts if self.d(p) is not None}
-            if len(ds) != 1:
-                self._need(n, "parts carry the batch on different dimensions")
-            b = ds.pop()
-            if name == "cat" and dim == b:
-                self._need(n, "concatenates along the batch dimension")
-            for p in parts:
-                if self.d(p) is None:
-                    self._slice(n, p, b)
-            return b + 1 if name == "stack" and dim <= b else b
-        if name in ("mm", "addmm", "bmm", "baddbmm"):
-            a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-            if name in ("mm", "addmm"):
-                if self.d(b) is not None or self.d(a) != 0:
-                    self._need(n, "the batch is not on the rows of the left operand")
-                if name == "addmm" and self.d(args[0]) is None and tensor_val(args[0]).ndim == 2 \
-                        and tensor_val(args[0]).shape[0] != 1:
-                    self._slice(n, args[0], 0)
-                return 0
-            if self.d(a) not in (0, None) or self.d(b) not in (0, None):
-                self._need(n, "the batch is not the matmul's batch dimension")
-            for t in (a, b) + ((args[0],) if name == "baddbmm" else ()):
-                if self.d(t) is None and tensor_val(t).shape[0] != 1:
-                    self._slice(n, t, 0)
+
+    def _index(self, n, name, x, bx, v):
+        args = n.args
+        nd = tensor_val(x).ndim
+        at = 2 if name in ("split", "split_with_sizes") else 1
+        dim = _norm(args[at] if len(args) > at else n.kwargs.get("dim", 0), nd)
+        if dim == bx and name == "slice" and _rows_of_this_rank(n, x, bx):
+            # sequence parallelism's slice of this rank's rows: of each half, its half of the rows
+            self.permuted.add(n)
+            self.halved.add(n)
+            return bx
+        if dim == bx:
+            self._need(n, "indexes the batch dimension")
+        if name in ("select", "unbind"):
+            out = bx - 1 if dim < bx else bx
+            return [out] * len(v) if name == "unbind" else out
+        return [bx] * len(v) if name in ("split", "split_with_sizes") else bx
+
+    def _join(self, n, name, x, bx, v):
+        args = n.args
+        parts = args[0]
+        nd = tensor_val(parts[0]).ndim
+        dim = _norm(args[1] if len(args) > 1 else 0, nd + (name == "stack"))
+        ds = {self.d(p) for p in parts if self.d(p) is not None}
+        if len(ds) != 1:
+            self._need(n, "parts carry the batch on different dimensions")
+        b = ds.pop()
+        if name == "cat" and dim == b:
+            self._need(n, "concatenates along the batch dimension")
+        for p in parts:
+            if self.d(p) is None:
+                self._slice(n, p, b)
+        return b + 1 if name == "stack" and dim <= b else b
+
+    def _matmul(self, n, name, x, bx, v):
+        args = n.args
+        a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+        if name in ("mm", "addmm"):
+            if self.d(b) is not None or self.d(a) != 0:
+                self._need(n, "the batch is not on the rows of the left operand")
+            if name == "addmm" and self.d(args[0]) is None and tensor_val(args[0]).ndim == 2 \
+                    and tensor_val(args[0]).shape[0] != 1:
+                self._slice(n, args[0], 0)
             return 0
-        if name in _REDUCE or name in ("max", "min") and len(args) > 1:
-            nd = tensor_val(x).ndim
-            dims = _dims(args[1], nd) if len(args) > 1 and args[1] is not None else list(range(nd))
-            keep = bool(args[2]) if len(args) > 2 and isinstance(args[2], bool) else bool(n.kwargs.get("keepdim", False))
-            if bx in dims:
-                self._need(n, "reduces over the batch")
-            out = bx if keep else bx - sum(1 for d in dims if d < bx)
-            return [out, out] if isinstance(v, (list, tuple)) else out
-        if name in _ALONG:
-            nd = tensor_val(x).ndim
-            dim = args[1] if len(args) > 1 else n.kwargs.get("dim", -1)
-            if name == "topk":
-                dim = args[2] if len(args) > 2 else n.kwargs.get("dim", -1)
-            if _norm(dim, nd) == bx:
-                self._need(n, "works along the batch dimension")
-            return [bx, bx] if isinstance(v, (list, tuple)) else bx
-        if name in ("scatter", "scatter_add", "scatter_reduce"):
-            nd = tensor_val(x).ndim
-            b = self.d(args[2])  # the index decides which rows are written
-            if b is None or _norm(args[1], nd) == b or bx not in (None, b):
-                self._need(n, "scatters along the batch, or its index does not carry it")
-            if len(args) > 3 and isinstance(args[3], Node) and self.d(args[3]) != b:
-                self._need(n, "its source does not carry the batch")
-            if bx is None:
-                self._slice(n, x, b)
-            return b
-        if name in ("gather", "index_select"):
-            nd = tensor_val(x).ndim
-            if _norm(args[1], nd) == bx:
-                self._need(n, "indexes along the batch dimension")
-            idx = args[2]
-            if name == "gather" and self.d(idx) != bx:
-                self._need(n, "index does not carry the batch where the input does")
-            if name == "index_select" and self.d(idx) is not None:
-                self._need(n, "index carries the batch")
+        if self.d(a) not in (0, None) or self.d(b) not in (0, None):
+            self._need(n, "the batch is not the matmul's batch dimension")
+        for t in (a, b) + ((args[0],) if name == "baddbmm" else ()):
+            if self.d(t) is None and tensor_val(t).shape[0] != 1:
+                self._slice(n, t, 0)
+        return 0
+
+    def _reduce(self, n, name, x, bx, v):
+        args = n.args
+        nd = tensor_val(x).ndim
+        dims = _dims(args[1], nd) if len(args) > 1 and args[1] is not None else list(range(nd))
+        keep = bool(args[2]) if len(args) > 2 and isinstance(args[2], bool) else bool(n.kwargs.get("keepdim", False))
+        if bx in dims:
+            self._need(n, "reduces over the batch")
+        out = bx if keep else bx - sum(1 for d in dims if d < bx)
+        return [out, out] if isinstance(v, (list, tuple)) else out
+
+    def _along(self, n, name, x, bx, v):
+        args = n.args
+        nd = tensor_val(x).ndim
+        dim = args[1] if len(args) > 1 else n.kwargs.get("dim", -1)
+        if name == "topk":
+            dim = args[2] if len(args) > 2 else n.kwargs.get("dim", -1)
+        if _norm(dim, nd) == bx:
+            self._need(n, "works along the batch dimension")
+        return [bx, bx] if isinstance(v, (list, tuple)) else bx
+
+    def _scatter(self, n, name, x, bx, v):
+        args = n.args
+        nd = tensor_val(x).ndim
+        b = self.d(args[2])  # the index decides which rows are written
+        if b is None or _norm(args[1], nd) == b or bx not in (None, b):
+            self._need(n, "scatters along the batch, or its index does not carry it")
+        if len(args) > 3 and isinstance(args[3], Node) and self.d(args[3]) != b:
+            self._need(n, "its source does not carry the batch")
+        if bx is None:
+            self._slice(n, x, b)
+        return b
+
+    def _gather(self, n, name, x, bx, v):
+        args = n.args
+        nd = tensor_val(x).ndim
+        if _norm(args[1], nd) == bx:
+            self._need(n, "indexes along the batch dimension")
+        idx = args[2]
+        if name == "gather" and self.d(idx) != bx:
+            self._need(n, "index does not carry the batch where the input does")
+        if name == "index_select" and self.d(idx) is not None:
+            self._need(n, "index carries the batch")
+        return bx
+
+    def _collective(self, n, name, x, bx, v):
+        if name in _ELEMENTWISE_COLLECTIVES:
             return bx
-        if ns == "_c10d_functional" and name in _ELEMENTWISE_COLLECTIVES:
-            return bx
-        if ns == "_c10d_functional" and name in ("reduce_scatter_tensor", "all_gather_into_tensor") and bx == 0:
+        if name in ("reduce_scatter_tensor", "all_gather_into_tensor") and bx == 0:
             # a micro-batch's rows scattered over the ranks and gathered back (sequence
             # parallelism): in between, each half's rows are its own, not a half of the whole
             if name == "reduce_scatter_tensor":
@@ -276,7 +302,11 @@ class BatchTrace:
             elif x not in self.permuted:
                 self._need(n, "gathers rows that no reduce-scatter of this micro-batch scattered")
             return 0
-        if ns == "metainfer" and name in _ROWWISE:
+        self._need(n, "no batch rule for this op")
+
+    def _metainfer(self, n, name, x, bx, v):
+        args = n.args
+        if name in _ROWWISE:
             nd = tensor_val(x).ndim
             if bx is None or bx == nd - 1:
                 self._need(n, "the batch is not on a row dimension")
@@ -287,9 +317,9 @@ class BatchTrace:
             if name in ("swiglu", "geglu") and self.d(args[1]) != bx:
                 self._need(n, "gate and up carry the batch differently")
             return bx
-        if ns == "metainfer" and name == "rope":
+        if name == "rope":
             return self._broadcast(n, args[:3])
-        if ns == "metainfer" and name in _BATCH_FIRST:
+        if name in _BATCH_FIRST:
             for i in _BATCH_FIRST[name]:
                 a = args[i]
                 if isinstance(a, Node) and self.d(a) != 0:
@@ -313,6 +343,22 @@ class BatchTrace:
             if _halves_match(src, bx, out, j):
                 return j
         self._need(n, f"a view {src} -> {out} does not keep the batch's halves contiguous")
+
+
+# (does the rule apply to (namespace, op name, args), the BatchTrace method), tried in order
+_RULES = [
+    (lambda ns, name, args: name in ("permute", "transpose", "t", "unsqueeze", "squeeze", "expand"), BatchTrace._layout),
+    (lambda ns, name, args: name in ("slice", "select", "split", "split_with_sizes", "unbind", "narrow"),
+     BatchTrace._index),
+    (lambda ns, name, args: name in ("cat", "stack"), BatchTrace._join),
+    (lambda ns, name, args: name in ("mm", "addmm", "bmm", "baddbmm"), BatchTrace._matmul),
+    (lambda ns, name, args: name in _REDUCE or name in ("max", "min") and len(args) > 1, BatchTrace._reduce),
+    (lambda ns, name, args: name in _ALONG, BatchTrace._along),
+    (lambda ns, name, args: name in ("scatter", "scatter_add", "scatter_reduce"), BatchTrace._scatter),
+    (lambda ns, name, args: name in ("gather", "index_select"), BatchTrace._gather),
+    (lambda ns, name, args: ns == "_c10d_functional", BatchTrace._collective),
+    (lambda ns, name, args: ns == "metainfer", BatchTrace._metainfer),
+]
 
 
 def _rows_of_this_rank(n: Node, x: Node, bx: int) -> bool:

@@ -1,5 +1,5 @@
 """Triton building blocks shared by the kernels: a dot that works around the interpreter,
-logit soft-capping, the online-softmax step of the flash-attention kernels (attention, sparse_attention,
+logit soft-capping, a mask applied to a block of scores, the online-softmax step of the flash-attention kernels (attention, sparse_attention,
 mla_decode, paged_attention), and the merge of a decode step's key splits (flash-decoding:
 several programs share one row's keys, each keeping its own online-softmax state)."""
 
@@ -28,6 +28,18 @@ def soft_cap(s, cap):
     t = tl.exp(-2.0 * tl.abs(x))
     th = (1.0 - t) / (1.0 + t)
     return cap * tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def masked_scores(s, keep, m_ptrs, MASK_KIND: tl.constexpr):
+    """The scores with the mask applied where `keep` holds (MASK_KIND 1: added, read as float32;
+    2: a boolean keep ANDed in) and -inf wherever no key is kept. Only kept entries of the mask
+    are read: the others end at -inf whatever they hold."""
+    if MASK_KIND == 1:
+        s = s + tl.load(m_ptrs, mask=keep, other=0.0).to(tl.float32)
+    if MASK_KIND == 2:
+        keep = keep & (tl.load(m_ptrs, mask=keep, other=0) != 0)
+    return tl.where(keep, s, float("-inf"))
 
 
 @triton.jit
@@ -77,6 +89,17 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
 
 # ---- key splits (flash-decoding) -----------------------------------------------------------------
+
+def flash_meta(dtype: torch.dtype, mask, causal, zero_empty_rows, config=None, **constexprs) -> dict:
+    """A flash kernel's launch constants: the mask kind, causal flag and SDPA's empty-row
+    convention, the kernel's own `constexprs` (tiles), the dot flags for `dtype`, and, given a
+    fixed config row, its warps and stages (none for an autotuned launch: the tuner picks)."""
+    meta = dict(MASK_KIND=mask_kind(mask), CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
+                **constexprs, **dot_flags(dtype))
+    if config is not None:
+        meta.update(num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
+    return meta
+
 
 def split_workspace(splits: int, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat float32 buffers on `like`'s device for `splits` partial results of `rows` output rows:

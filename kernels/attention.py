@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._flash import (combine_splits, dot, dot_flags, mask_kind, mask_operand, normalise, soft_cap, softmax_step,
+from ._flash import (combine_splits, dot, mask_operand, flash_meta, masked_scores, normalise, soft_cap, softmax_step,
                      split_workspace)
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
                       check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
@@ -115,15 +115,7 @@ def _attention_fwd(
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         if WINDOW:
             keep = keep & (offs_n[None, :] > offs_m[:, None] + causal_offset - window)
-        if MASK_KIND == 1:
-            mval = tl.load(m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            s = s + mval.to(tl.float32)
-        if MASK_KIND == 2:
-            mkeep = tl.load(m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                            mask=row_ok[:, None] & col_ok[None, :], other=0)
-            keep = keep & (mkeep != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = masked_scores(s, keep, m_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, MASK_KIND)
 
         p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
@@ -209,15 +201,10 @@ class _Launch:
         self.candidates = tune_candidates(config, clamp) if autotune else []
         check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in self.candidates or [fixed])), 1), NAME,
                    f"{Sq} query rows")
-        self.meta = dict(
-            MASK_KIND=mask_kind(mask), CAUSAL=bool(causal), SOFTCAP=softcap > 0, WINDOW=window > 0,
-            ZERO_EMPTY_ROWS=bool(zero_empty_rows),
-            BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)),
-            **dot_flags(q.dtype),
-        )
-        if len(self.candidates) <= 1:
-            self.meta.update(BLOCK_M=block_m, BLOCK_N=block_n,
-                             num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 2))
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n) if len(self.candidates) <= 1 else {}
+        self.meta = flash_meta(q.dtype, mask, causal, zero_empty_rows, fixed if tiles else None,
+                               SOFTCAP=softcap > 0, WINDOW=window > 0, **tiles,
+                               BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)))
 
 
 _launches = LaunchPlans()

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import combine_splits, dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step, split_workspace
+from ._flash import (combine_splits, dot, mask_operand, flash_meta, masked_scores, normalise, softmax_step,
+                     split_workspace)
 from ._common import (dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
@@ -153,13 +154,7 @@ def _mla_fwd(
         s = dot(ql, tl.trans(c), DOT_PRECISION, DOT_UPCAST)
         s = (s + dot(qp, kp, DOT_PRECISION, DOT_UPCAST)) * scale
         keep = col_ok[None, :] & row_ok[:, None]
-        if MASK_KIND == 1:
-            mval = tl.load(m_base + cols[None, :] * stride_mn, mask=keep, other=0.0)
-            s = s + mval.to(tl.float32)
-        if MASK_KIND == 2:
-            mkeep = tl.load(m_base + cols[None, :] * stride_mn, mask=keep, other=0)
-            keep = keep & (mkeep != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = masked_scores(s, keep, m_base + cols[None, :] * stride_mn, MASK_KIND)
 
         p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(c.dtype), c, DOT_PRECISION, DOT_UPCAST)
@@ -241,15 +236,9 @@ class _Launch:
         # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
         # split the cache (or the top-k slots) over several programs
         self.split = SplitRule(config, Sq * B * self.head_blocks, block_n)
-        self.meta = dict(
-            HAS_INDICES=indices is not None,
-            MASK_KIND=mask_kind(mask),
-            CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
-            BLOCK_H=block_h, BLOCK_N=block_n,
-            BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)),
-            **dot_flags(q_latent.dtype),
-            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
-        )
+        self.meta = flash_meta(q_latent.dtype, mask, causal, zero_empty_rows, config, HAS_INDICES=indices is not None,
+                               BLOCK_H=block_h, BLOCK_N=block_n,
+                               BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)))
 
 
 _launches = LaunchPlans()

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, dot_flags, mask_kind, mask_operand, normalise, softmax_step
+from ._flash import dot, mask_operand, flash_meta, masked_scores, normalise, softmax_step
 from . import _common
 from ._common import (dot_block, FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       next_pow2, retries_smaller)
@@ -112,13 +112,7 @@ def _sparse_attention_fwd(
                      mask=col_ok[None, :] & (offs_d[:, None] < head_d), other=0.0)
         s = dot(q, kt, DOT_PRECISION, DOT_UPCAST) * scale
         keep = col_ok[None, :] & row_ok[:, None]
-        if MASK_KIND == 1:
-            mval = tl.load(m_base + idx[None, :] * stride_mn, mask=keep, other=0.0)
-            s = s + mval.to(tl.float32)
-        if MASK_KIND == 2:
-            mkeep = tl.load(m_base + idx[None, :] * stride_mn, mask=keep, other=0)
-            keep = keep & (mkeep != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = masked_scores(s, keep, m_base + idx[None, :] * stride_mn, MASK_KIND)
 
         p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_base + idx[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
@@ -203,14 +197,8 @@ class _Launch:
         check_grid((Sq, per_batch), NAME, f"{Hkv} kv heads x {head_blocks} head blocks")
         step = max(1, _common.GRID_YZ_MAX // per_batch)
         self.slices = [(b0, (Sq, (min(B, b0 + step) - b0) * per_batch)) for b0 in range(0, B, step)]
-        self.meta = dict(
-            MASK_KIND=mask_kind(mask),
-            CAUSAL=bool(causal), ZERO_EMPTY_ROWS=bool(zero_empty_rows),
-            BLOCK_H=block_h, BLOCK_N=block_n,
-            BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
-            **dot_flags(q.dtype),
-            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
-        )
+        self.meta = flash_meta(q.dtype, mask, causal, zero_empty_rows, config, BLOCK_H=block_h, BLOCK_N=block_n,
+                               BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)))
 
 
 _launches = LaunchPlans()

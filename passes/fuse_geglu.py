@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .base import register
 from .fuse_swiglu import gate_up_proof
 from .matching import aten, is_op, shape
-from .rules import Rule, RulePass, positional
+from .rules import Rule, PointwiseRulePass, positional
 
 
 def _rules():
@@ -32,13 +32,10 @@ def _rules():
 
 
 @register
-class FuseGeGLU(RulePass):
+class FuseGeGLU(PointwiseRulePass):
     """gelu_tanh(gate) * up -> metainfer::geglu"""
 
     name = "fuse_geglu"
-    cost_gated = True
-    profitable_kinds = ("cuda",)
-    unprofitable_why = "Inductor's C++ loops already fuse this chain"
     what = "geglu"
     rules = tuple(_rules())
 

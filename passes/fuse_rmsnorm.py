@@ -19,7 +19,7 @@ import torch
 
 from .base import register
 from .matching import FLOAT_DTYPES, aten, dtype, is_op, is_scalar, same, same_shape, shape
-from .rules import Rule, RulePass, positional
+from .rules import Rule, PointwiseRulePass, positional
 
 EPS, OFFSET = 0.0123, 0.0456  # stand-ins the tracer turns into the rule's scalars
 
@@ -107,13 +107,10 @@ def _detail(m) -> str:
 
 
 @register
-class FuseRMSNorm(RulePass):
+class FuseRMSNorm(PointwiseRulePass):
     """x * rsqrt(mean(x^2) + eps) * w (optionally after x = a + b) -> metainfer::rmsnorm / add_rmsnorm"""
 
     name = "fuse_rmsnorm"
-    cost_gated = True
-    profitable_kinds = ("cuda",)
-    unprofitable_why = "Inductor's C++ loops already fuse this chain"
     # at one node the matcher takes the first rule that applies: the larger forms (the
     # residual add, the weight offset) before the ones they contain
     what = "rmsnorm"

@@ -14,7 +14,7 @@ import torch
 
 from .base import register
 from .matching import FLOAT_DTYPES, aten, dtype, is_op, ndim, norm_dim, same_shape, shape
-from .rules import Rule, RulePass, positional
+from .rules import Rule, PointwiseRulePass, positional
 
 
 def _rotate_half(x, halves: str):
@@ -71,13 +71,10 @@ def _detail(m) -> str:
 
 
 @register
-class FuseRoPE(RulePass):
+class FuseRoPE(PointwiseRulePass):
     """x * cos + rotate_half(x) * sin -> metainfer::rope"""
 
     name = "fuse_rope"
-    cost_gated = True
-    profitable_kinds = ("cuda",)
-    unprofitable_why = "Inductor's C++ loops already fuse this chain"
     what = "rope"
     rules = tuple(_rules())
 

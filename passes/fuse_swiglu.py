@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .base import register
 from .matching import FLOAT_DTYPES, dtype, same_shape, shape, silu_input
-from .rules import Rule, RulePass, positional
+from .rules import Rule, PointwiseRulePass, positional
 
 
 def _silu(g, written: str):
@@ -50,13 +50,10 @@ def _detail(m) -> str:
 
 
 @register
-class FuseSwiGLU(RulePass):
+class FuseSwiGLU(PointwiseRulePass):
     """silu(gate) * up -> metainfer::swiglu"""
 
     name = "fuse_swiglu"
-    cost_gated = True
-    profitable_kinds = ("cuda",)
-    unprofitable_why = "Inductor's C++ loops already fuse this chain"
     what = "swiglu"
     rules = tuple(_rules())
 

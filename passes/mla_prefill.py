@@ -14,9 +14,8 @@ every other attention.
 from __future__ import annotations
 
 from . import fuse_attention as fa
-from . import mask_analysis as ma
 from . import base
-from .base import MatchPass, register
+from .base import register
 from .matching import Node, aten, constant_value, is_op, ndim, same, shape
 
 
@@ -25,16 +24,12 @@ class NearMiss(base.NearMiss):
 
 
 @register
-class MLAPrefill(MatchPass):
+class MLAPrefill(fa.FuseAttention):
     """MLA attention (v head dim != q head dim, or V zero-padded) -> metainfer::attention, unpadded"""
 
     name = "mla_prefill"
-    cost_gated = True
     missed = "MLA attention not fused"
     misses = (NearMiss,)
-
-    def start(self, graph, ctx):
-        return ma.MaskInterpreter()
 
     def match(self, node, interp):
         if not (is_op(node, aten.bmm) or node.target in fa.SDPA_OPS):
@@ -55,6 +50,9 @@ class MLAPrefill(MatchPass):
 
     def rewrite(self, node, site, interp):
         fa.rewrite(node.graph, site[0])
+
+    def notes(self, site):
+        return []
 
     def describe(self, node, site):
         m, unpadded, D, Dv = site

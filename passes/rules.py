@@ -175,3 +175,13 @@ def _structural_miss(matcher: pm.PatternMatcherPass, anchor: Node) -> str:
                     op = getattr(inner, "fns", ["an intermediate"])[0]
                     return f"an intermediate ({op}) is also used outside the pattern"
     return "no form of the pattern matched the nodes around it"
+
+
+class PointwiseRulePass(RulePass):
+    """A rule pass whose ops replace a chain of pointwise math (RMSNorm, RoPE, gated units): on
+    GPUs the chain is several kernels Inductor may not fuse into one; on CPU Inductor's C++
+    loops already fuse it, so the default pipeline runs these passes on CUDA targets only."""
+
+    cost_gated = True
+    profitable_kinds = ("cuda",)
+    unprofitable_why = "Inductor's C++ loops already fuse this chain"

@@ -45,3 +45,17 @@ def _fresh_dynamo():
     breaks seen) across models of one class; start each test module from a clean slate."""
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def python_c():
+    """Run `python -c code` in a fresh interpreter (what a process that never imported this test
+    run's modules sees): returns its stdout; a non-zero exit fails with its stderr."""
+    import subprocess
+
+    def run(code: str, timeout: float = 120) -> str:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    return run

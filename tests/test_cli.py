@@ -44,7 +44,7 @@ def test_console_script_runs():
     assert r.returncode == 0 and "fuse_rmsnorm" in r.stdout
 
 
-def test_version_and_help_answer_without_importing_torch():
+def test_version_and_help_answer_without_importing_torch(python_c):
     code = ("import sys\n"
             "from metainfer.cli import main\n"
             "for argv in (['--version'], ['--help'], ['optimize', '--help']):\n"
@@ -53,12 +53,11 @@ def test_version_and_help_answer_without_importing_torch():
             "    except SystemExit as e:\n"
             "        assert e.code == 0, e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    stdout = python_c(code)
     import metainfer
     import torch
 
-    assert r.stdout.startswith(f"metainfer {metainfer.__version__} (torch {torch.__version__}, triton ")
+    assert stdout.startswith(f"metainfer {metainfer.__version__} (torch {torch.__version__}, triton ")
 
 
 def test_every_option_says_what_it_does():

@@ -683,12 +683,9 @@ def test_eight_ranks_pcie8_topology():
         assert diff < 1e-4 and target == "pcie8@2x4"
 
 
-def test_start_applies_the_targets_collective_settings(tmp_path):
+def test_start_applies_the_targets_collective_settings(python_c):
     """start() sets the target's NCCL settings (a user's own values win) before the process
     group starts; a one-rank gloo job here."""
-    import subprocess
-    import sys
-
     code = (
         "import os, socket\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
@@ -699,10 +696,9 @@ def test_start_applies_the_targets_collective_settings(tmp_path):
         "applied = distributed.start(targets.get('pcie8-nop2p'), backend='gloo', timeout_s=30)\n"
         "import torch.distributed as dist\n"
         "print(sorted(applied), os.environ['NCCL_PROTO'], dist.get_backend())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "NCCL_P2P_DISABLE=1" in out.stdout and "NCCL_ALGO=Ring" in out.stdout
-    assert "Simple gloo" in out.stdout, "the user's NCCL_PROTO is kept"
+    stdout = python_c(code)
+    assert "NCCL_P2P_DISABLE=1" in stdout and "NCCL_ALGO=Ring" in stdout
+    assert "Simple gloo" in stdout, "the user's NCCL_PROTO is kept"
 
 
 def test_sequence_parallel_region_rules():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -210,6 +211,46 @@ def cmd_bench_serving(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    target = _target(a.target)
+    device = _device_for(target)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"metainfer serve needs the serve extra (pip install 'metainfer[serve]'): {e}") from None
+    import logging
+
+    import torch
+
+    import metainfer
+    from metainfer import servebench
+    from metainfer.server import app
+    from metainfer.server.protocol import ModelInfo
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        model, tokenizer, name = servebench.load_model(a.model, dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--model {a.model}: {e}") from None
+    model = model.to(device)
+    opt = metainfer.optimize(model, target, lowering=a.lowering, serve_compile="always")
+    from transformers import ContinuousBatchingConfig
+
+    cfg = ContinuousBatchingConfig(**{k: v for k, v in (("num_blocks", a.num_blocks),
+                                                        ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    info = ModelInfo(name=a.served_model_name or name, vocab_size=model.config.vocab_size,
+                     max_positions=getattr(model.config, "max_position_embeddings", None),
+                     eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+                     tokenizer=tokenizer)
+    app.run(opt, info, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
+            max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout, grace=a.grace,
+            cb_config=cfg)
+    return 0
+
+
 def cmd_targets(a) -> int:
     from metainfer.hardware import targets
 
@@ -372,6 +413,34 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=("info", "clear"), help="info: files and bytes held; clear: remove them")
     c.add_argument("--dir", help="cache root (default $METAINFER_CACHE_DIR or ~/.cache/metainfer)")
     c.set_defaults(fn=cmd_cache)
+
+    sv = sub.add_parser("serve", help="serve a model over HTTP with an OpenAI-compatible API (continuous batching "
+                        "on metainfer's graphs)",
+                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming, "
+                        "/v1/models, /health, /ready, /metrics) whose engine is transformers' continuous batching "
+                        "running metainfer's graphs. Stops on SIGTERM/SIGINT after draining (docs/serving.md).")
+    sv.add_argument("--model", required=True, metavar="NAME_CONFIG_OR_FOLDER",
+                    help="a benchmark model (hf-llama-tiny, hf-llama-512x4: random weights), a Hugging Face "
+                         "config.json (random weights) or a local model folder (weights and tokenizer)")
+    sv.add_argument("--target", default="cpu", help="target name or TOML file (default cpu)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default $METAINFER_API_KEY)")
+    sv.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: from --model)")
+    sv.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
+                    help="requests in the engine at once (default 64)")
+    sv.add_argument("--max-queue", type=int, default=256, metavar="N",
+                    help="requests waiting beyond those; past it a 429 (default 256)")
+    sv.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds a request may take before it is cancelled with a 504 (default 600)")
+    sv.add_argument("--grace", type=float, default=30.0, metavar="S",
+                    help="on SIGTERM, seconds in-flight requests get to finish (default 30)")
+    sv.add_argument("--num-blocks", type=_positive_int, metavar="N", help="KV pool blocks (default: the planner's)")
+    sv.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step")
+    sv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
+    sv.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
+    sv.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
+    sv.set_defaults(fn=cmd_serve)
 
     t = sub.add_parser("targets", help="list the built-in targets")
     t.add_argument("--json", action="store_true", help="every target's full description as JSON")

@@ -487,3 +487,51 @@ def build_model(spec: str, attn: str = "sdpa", dtype=torch.float32):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer for the random-weight benchmark models, built offline: one token per
+    whitespace-separated word ("w0", "w1", ...; the specials <pad> <s> </s> <unk> and the chat
+    roles first, at the ids the MODELS configs give pad, bos and eos), with a plain chat template
+    ("user <text> assistant")."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant"]
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant{% endif %}")
+    return fast
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    """What `metainfer serve --model` names: a name from MODELS (random weights, a word
+    tokenizer), a Hugging Face config.json (random weights, no tokenizer), or a local model
+    folder (its weights, and its tokenizer where it has one); nothing is downloaded. Returns (model in eval mode, tokenizer or None, served name);
+    ValueError says what is wrong."""
+    import transformers
+
+    if spec in MODELS:
+        return build_model(spec, attn=attn, dtype=dtype), word_tokenizer(MODELS[spec]["vocab_size"]), spec
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent
+    if not (folder / "config.json").is_file() and not (path.is_file() and path.suffix == ".json"):
+        raise ValueError(f"--model {spec}: neither a benchmark model ({', '.join(MODELS)}) nor a Hugging Face "
+                         "config.json or model folder")
+    if path.is_dir() and any((folder / w).is_file() for w in _WEIGHTS):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn)
+    else:
+        model = build_model(str(path), attn=attn, dtype=dtype)  # random weights from the config
+    tokenizer = None
+    if path.is_dir() and any((folder / t).is_file() for t in _TOKENIZER):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return model.eval(), tokenizer, folder.name if path.is_dir() else path.stem

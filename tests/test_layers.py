@@ -1,6 +1,7 @@
 """Imports run one way, and the folders are the layers. From the top down:
 
     metainfer/*.py        the user-facing top: API, CLI, report, verification, analysis, calibration
+    metainfer/server/     the HTTP server: OpenAI protocol, the engine seen from the event loop, metrics
     metainfer/runtime/    what runs when an optimized model is called: input guard, serving, speculation
     metainfer/parallel/   the multi-rank runtime: sharding, distributed setup, local rank launcher
     lowering/             the Dynamo/Inductor backend
@@ -19,7 +20,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # metainfer.passes etc. are installed from top-level folders (pyproject's package-dir)
 INSTALLED_FROM = {"passes": "passes", "lowering": "lowering", "kernels": "kernels", "models": "models"}
-ORDER = ["top", "runtime", "parallel", "lowering", "passes", "hardware", "models", "kernels"]
+ORDER = ["top", "server", "runtime", "parallel", "lowering", "passes", "hardware", "models", "kernels"]
 # parallel and lowering sit side by side: each depends on passes, neither on the other
 SIDE_BY_SIDE = {("parallel", "lowering"), ("lowering", "parallel")}
 

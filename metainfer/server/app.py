@@ -1,0 +1,227 @@
+"""The FastAPI application and `run`, which serves it with uvicorn.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
+"stream": true), GET /v1/models; GET /health (the process answers), /ready (the engine's graphs
+are compiled and warmed) and /metrics (Prometheus). With an API key, /v1/* asks for
+"Authorization: Bearer <key>"; health, readiness and metrics stay open, as a load balancer
+and a scraper need them.
+
+Errors are OpenAI's shape with the status that fits (400 naming the field, 401, 404 for an
+unknown model, 429 with Retry-After at capacity, 504 past the request timeout); an unexpected
+error in one request is a 500 whose id is in the log, and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import protocol
+from .engine import Engine
+from .metrics import Metrics
+from .protocol import APIError, ModelInfo
+
+log = logging.getLogger("metainfer.server")
+
+
+def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        warm = asyncio.create_task(_warm(engine))
+        try:
+            yield
+        finally:
+            warm.cancel()
+            engine.stop()  # on the thread that started it (the runtime's Manager asks for that)
+
+    app = FastAPI(title="metainfer", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return _error(APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                   kind="authentication_error", code="invalid_api_key"))
+        try:
+            return await call_next(request)
+        except Exception:  # one request's failure, never the server's
+            ref = uuid.uuid4().hex[:12]
+            log.exception("internal error %s on %s %s", ref, request.method, request.url.path)
+            return _error(APIError(500, f"internal error (id {ref} in the server's log)", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if engine.ready:
+            return {"status": "ready"}
+        return JSONResponse({"status": "warming up"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
+                                            "owned_by": "metainfer", "max_model_len": model.max_positions}]}
+
+    async def generate(request: Request, kind: str):
+        endpoint = request.url.path
+        try:
+            req = protocol.parse(protocol.parse_json(await request.body()), kind, model)
+            if not req.stream:
+                body = await _complete(engine, req, model, request)
+                metrics.requests.labels(endpoint, "ok").inc()
+                return body
+            first = _stream(engine, req, model, metrics, endpoint)
+            head = await anext(first)  # admission and the first tokens: errors before the 200
+        except APIError as e:
+            metrics.requests.labels(endpoint, str(e.code or e.status)).inc()
+            return _error(e)
+        except _Disconnected:
+            metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)
+        return StreamingResponse(_chain(head, first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat")
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _e):
+        return _error(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    return app
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _warm(engine: Engine) -> None:
+    try:
+        await engine.warm_up()
+    except Exception:
+        log.exception("warm-up failed: /ready stays false")
+
+
+async def _complete(engine: Engine, req, model: ModelInfo, request: Request) -> dict:
+    """A non-streamed request: the whole completion; the request is cancelled if the client
+    goes away while it runs."""
+    result: list = []
+
+    async def run():
+        async for ids, finish in engine.generate(req):
+            if finish is not None:
+                result.append((ids, finish))
+
+    task = asyncio.create_task(run())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise _Disconnected()
+        task.result()  # its error, if any
+    finally:
+        if not task.done():
+            task.cancel()
+    ids, finish = result[0]
+    return protocol.response(req, model, ids, finish)
+
+
+async def _stream(engine: Engine, req, model: ModelInfo, metrics: Metrics, endpoint: str):
+    """Server-sent events: a chunk per step's new tokens, the last with the finish reason and the
+    usage, then [DONE]. The first item is yielded once the first tokens exist (so admission and
+    request errors are still an HTTP status); a client that goes away cancels the request."""
+    detok = protocol.Detokenizer(model)
+    sent, first, status = 0, True, "cancelled"
+    try:
+        async for ids, finish in engine.generate(req):
+            new = ids[sent:]
+            text = detok.delta(ids, final=finish is not None)
+            if not new and finish is None:
+                continue
+            yield _sse(protocol.chunk(req, model, text, new, finish, first=first,
+                                      total=len(ids) if finish is not None else None))
+            sent, first = len(ids), False
+            if finish is not None:
+                if req.include_usage:
+                    yield _sse(protocol.usage_chunk(req, model, len(ids)))
+                status = "ok"
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        status = None if first else str(e.code or e.status)
+        if first:
+            raise  # answered (and counted) as an HTTP error
+        yield _sse(e.body())  # mid-stream: the error as the last event
+        yield "data: [DONE]\n\n"
+    finally:
+        if status is not None:
+            metrics.requests.labels(endpoint, status).inc()
+
+
+async def _chain(head: str, rest):
+    yield head
+    async for item in rest:
+        yield item
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        max_running: int = 64, max_queue: int = 256, request_timeout: float = 600.0, grace: float = 30.0,
+        cb_config=None, log_level: str = "info") -> None:
+    """Serve `opt` (an OptimizedModel of a transformers causal LM) until SIGTERM or SIGINT: then
+    stop accepting, give in-flight requests `grace` seconds to finish, cancel the rest, stop the
+    engine, return."""
+    import uvicorn
+
+    metrics = Metrics()
+    engine = Engine(opt, max_running=max_running, max_queue=max_queue, request_timeout=request_timeout,
+                    metrics=metrics, cb_config=cb_config)
+    app = build_app(engine, model, metrics, api_key=api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace,
+                            access_log=False)
+    started = time.perf_counter()
+    log.info("serving %s on http://%s:%d", model.name, host, port)
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
+    # a handler that only notes it makes a drained stop exit 0
+    stopped_by: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: stopped_by.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("stopped after %.0f s%s", time.perf_counter() - started,
+             f" ({signal.Signals(stopped_by[0]).name}, drained)" if stopped_by else "")

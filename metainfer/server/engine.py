@@ -1,0 +1,211 @@
+"""The batching engine seen from the server's event loop.
+
+The engine (transformers' continuous batching, through metainfer.runtime.serving.Manager) runs
+in its own thread. Here each request is admitted (at most `max_running` in the engine, at most
+`max_queue` waiting for a slot, beyond that Overloaded: a 429), its outputs are routed to an
+asyncio queue of its own (the engine's result handlers, delivered on the loop), and a request
+whose consumer goes away (a client disconnect, a timeout, shutdown) is cancelled in the engine,
+which frees its KV blocks.
+
+Sampling: the engine samples (do_sample) with per-request processors, so each request brings its
+own temperature, top-k and top-p; a greedy request is top-k 1 (the argmax). A request's seed
+seeds torch's generator as it is admitted: the engine shares one generator across the batch, so
+a seed is best effort, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from typing import AsyncIterator
+
+import torch
+
+from .metrics import Metrics
+from .protocol import APIError, GenerationRequest
+
+
+class Overloaded(APIError):
+    def __init__(self, running: int, queued: int, retry_after: int = 1):
+        super().__init__(429, f"the server is at capacity ({running} running, {queued} queued); retry later",
+                         kind="rate_limit_error", code="overloaded", headers={"Retry-After": str(retry_after)})
+
+
+class RequestTimeout(APIError):
+    def __init__(self, seconds: float):
+        super().__init__(504, f"the request did not finish within {seconds:g} s", kind="timeout", code="timeout")
+
+
+class EngineFailed(APIError):
+    def __init__(self, why: str):
+        super().__init__(500, f"the engine failed this request: {why}", code="engine_error")
+
+
+class Admission:
+    """At most `max_running` requests hold a slot and at most `max_queue` wait for one (in
+    arrival order); past that, Overloaded. A waiter that goes away leaves the queue, and a slot
+    handed to one that is going away passes on."""
+
+    def __init__(self, max_running: int, max_queue: int):
+        self.max_running, self.max_queue = max_running, max_queue
+        self.running = 0
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.running < self.max_running:
+            self.running += 1
+            return
+        if len(self.waiting) >= self.max_queue:
+            raise Overloaded(self.running, len(self.waiting))
+        slot = asyncio.get_running_loop().create_future()
+        self.waiting.append(slot)
+        try:
+            await slot  # release() hands its slot over: `running` already counts this request
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():
+                self.release()  # handed a slot while going away: pass it on
+            elif slot in self.waiting:  # (release() drops a cancelled waiter it meets)
+                self.waiting.remove(slot)
+            raise
+
+    def release(self) -> None:
+        while self.waiting:
+            slot = self.waiting.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.running -= 1
+
+
+class Engine:
+    def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
+                 cb_config=None):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        self.opt, self.metrics, self.request_timeout = opt, metrics, request_timeout
+        model = opt.model
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        # every sampling processor exists, so each request can set its own (the values here are
+        # never used: every request passes all three)
+        gen = GenerationConfig(do_sample=True, temperature=0.5, top_k=1, top_p=0.5, max_new_tokens=16,
+                               eos_token_id=eos, pad_token_id=getattr(model.config, "pad_token_id", None))
+        cb = cb_config if cb_config is not None else ContinuousBatchingConfig()
+        cb.per_request_processors = True
+        self.manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.admission = Admission(max_running, max_queue)
+        self._fed_back = 0  # generated tokens fed back as inputs (all but each request's last)
+        self.ready = False
+        self.started = False
+        self._watch()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        self.manager.start()
+        self.started = True
+
+    async def warm_up(self) -> None:
+        """One request through the engine (a prefill step of several tokens, then decode steps of
+        one): its graphs compiled and run before /ready says so."""
+        prompt = [t % self.opt.model.config.vocab_size for t in range(1, 9)]
+        req = GenerationRequest(kind="completion", prompt_ids=prompt, max_tokens=3, temperature=0.0)
+        async for _ in self.generate(req, count=False):
+            pass
+        self.ready = True
+
+    def stop(self) -> None:
+        if self.started:
+            self.started = False
+            self.manager.stop(block=True, timeout=30)
+
+    # ---- one request
+    async def generate(self, req: GenerationRequest, count: bool = True) -> AsyncIterator[tuple[list[int], str | None]]:
+        """Yields (token ids so far, finish reason or None) as the engine makes them; cancels the
+        request in the engine if the consumer stops early. Raises Overloaded, RequestTimeout,
+        EngineFailed."""
+        arrived = time.perf_counter()
+        await self.admission.acquire()
+        rid = f"{req.kind}-{req.id}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        finished = False
+        try:
+            self.manager.register_result_handler(rid, outputs.put_nowait)
+            if req.seed is not None:
+                torch.manual_seed(req.seed)
+            sampling = ({"temperature": 1.0, "top_k": 1, "top_p": 1.0} if req.greedy else
+                        {"temperature": float(req.temperature), "top_p": float(req.top_p),
+                         "top_k": req.top_k if req.top_k > 0 else self.opt.model.config.vocab_size})
+            stops = sorted(set(self.eos) | set(req.stop_token_ids)) or [-1]
+            try:
+                self.manager.add_request(req.prompt_ids, request_id=rid, max_new_tokens=req.max_tokens, streaming=True,
+                                         eos_token_id=stops, **sampling)
+            except ValueError as e:  # the pool cannot hold it (metainfer.runtime.serving.request_problem)
+                finished = True
+                raise APIError(400, str(e), param="max_tokens") from None
+            if count:
+                self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+            deadline = arrived + self.request_timeout
+            last, sent = arrived, 0
+            while True:
+                try:
+                    out = await asyncio.wait_for(outputs.get(), timeout=max(0.0, deadline - time.perf_counter()))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(self.request_timeout) from None
+                if out.error is not None:
+                    finished = True
+                    raise EngineFailed(out.error)
+                ids = list(out.generated_tokens)
+                now = time.perf_counter()
+                if count and len(ids) > sent:
+                    (self.metrics.ttft if sent == 0 else self.metrics.tpot).observe(now - last)
+                    self.metrics.generation_tokens.inc(len(ids) - sent)
+                last, sent = now, len(ids)
+                if out.is_finished():
+                    finished = True
+                    self._fed_back += max(0, len(ids) - 1)
+                    yield ids, "stop" if ids and ids[-1] in stops else "length"
+                    return
+                yield ids, None
+        finally:
+            if not finished:
+                self.manager.cancel_request(rid)
+                with self.manager.output_router._lock:
+                    self.manager.output_router.result_handlers.pop(rid, None)
+            self.admission.release()
+
+    # ---- metrics read at each scrape
+    def _watch(self) -> None:
+        m = self.metrics
+        m.running.set_function(lambda: self.admission.running)
+        m.queued.set_function(lambda: len(self.admission.waiting))
+        m.graphs.set_function(lambda: len(self.opt.report.sections))
+        m.kv_blocks.labels("used").set_function(lambda: self._blocks()[0])
+        m.kv_blocks.labels("free").set_function(lambda: self._blocks()[1])
+        m.prefix_hit.set_function(self._prefix_hit)
+
+    def _blocks(self) -> tuple[float, float]:
+        processor = getattr(self.manager, "batch_processor", None)
+        cache = getattr(processor, "cache", None)
+        if cache is None:
+            return 0.0, float(self.manager.capacity.num_blocks)
+        total = cache.num_blocks
+        with contextlib.suppress(Exception):  # read while the engine thread changes it: a scrape may miss
+            free = round(cache.compute_free_capacity(relative=True) * total)
+            return float(total - free), float(free)
+        return 0.0, float(total)
+
+    def active(self) -> int:
+        """Requests the engine's scheduler holds (running or waiting for blocks)."""
+        scheduler = getattr(getattr(self.manager, "batch_processor", None), "scheduler", None)
+        if scheduler is None:
+            return 0
+        return len(scheduler.active_requests) + len(scheduler.waiting_requests)
+
+    def _prefix_hit(self) -> float:
+        steps = getattr(self.manager, "steps", None)
+        admitted = self.manager._admitted
+        if steps is None or not admitted:
+            return 0.0
+        return max(0.0, admitted + self._fed_back - steps.tokens) / admitted

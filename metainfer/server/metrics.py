@@ -1,0 +1,32 @@
+"""The Prometheus collectors /metrics serves, in a registry of the server's own (two servers in
+one process, a test's say, do not share counts)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# latency buckets from 1 ms to 2 min: a CPU decode step is tens of ms, a cold prefill seconds
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("metainfer_requests", "Requests answered, by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.running = Gauge("metainfer_requests_running", "Requests in the engine", registry=r)
+        self.queued = Gauge("metainfer_requests_queued", "Requests waiting for a running slot", registry=r)
+        self.ttft = Histogram("metainfer_time_to_first_token_seconds", "From arrival to the first token",
+                              buckets=_BUCKETS, registry=r)
+        self.tpot = Histogram("metainfer_time_per_output_token_seconds", "Between consecutive tokens of a request",
+                              buckets=_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("metainfer_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("metainfer_generation_tokens", "Tokens generated", registry=r)
+        self.kv_blocks = Gauge("metainfer_kv_blocks", "KV pool blocks by state", ["state"], registry=r)
+        self.prefix_hit = Gauge("metainfer_prefix_cache_hit_ratio",
+                                "Share of admitted prompt tokens the engine did not compute (cached prefix blocks)",
+                                registry=r)
+        self.graphs = Gauge("metainfer_graphs_compiled", "Graphs metainfer compiled for the engine", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,382 @@
+"""`metainfer serve` as a client sees it: a real server process on 127.0.0.1, the real `openai`
+client and plain HTTP. One server for the module (a tiny Llama saved with a tokenizer built
+offline, the aot_eager lowering so it starts in seconds); the last test stops it with SIGTERM.
+
+Expected tokens come from `opt.generate_batch` in this process (greedy), not from the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+KEY = "test-key"
+MAX_RUNNING, MAX_QUEUE = 2, 2
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40]]
+
+
+def _tiny_model_folder(path):
+    """The benchmark's hf-llama-tiny (random weights, max 512 positions) and its word tokenizer
+    (with a chat template), saved as a Hugging Face model folder."""
+    from metainfer import servebench
+
+    model = servebench.build_model("hf-llama-tiny")
+    model.config.max_position_embeddings = 512
+    model.save_pretrained(path)
+    servebench.word_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, folder, tmp):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "server.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "metainfer", "serve", "--model", str(folder), "--port", str(self.port),
+             "--api-key", KEY, "--lowering", "aot_eager", "--max-running", str(MAX_RUNNING),
+             "--max-queue", str(MAX_QUEUE), "--num-blocks", "64", "--grace", "20"],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited: {self.tail()}"
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server was not ready in 600 s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return _tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    s = Server(folder, tmp_path_factory.mktemp("server"))
+    yield s
+    if s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected(folder):
+    """Greedy tokens of `opt.generate_batch` for PROMPTS, 12 new tokens each."""
+    import transformers
+
+    import metainfer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0)
+    from transformers import ContinuousBatchingConfig
+
+    out = opt.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(
+        num_blocks=64, max_batch_tokens=256))
+    return [list(o.generated_tokens) for o in out.values()]
+
+
+def test_completions_streamed_and_not_equal_generate_batch(server, client, expected):
+    for prompt, want in zip(PROMPTS, expected):
+        whole = client.completions.create(model=server_model(server), prompt=prompt, max_tokens=12, temperature=0)
+        choice = whole.choices[0]
+        assert choice.model_extra["token_ids"] == want
+        assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == len(want)
+        assert choice.finish_reason == ("stop" if want[-1] == 2 else "length")
+        streamed, text, usage = [], "", None
+        for c in client.completions.create(model=server_model(server), prompt=prompt, max_tokens=12, temperature=0,
+                                           stream=True):
+            streamed += c.choices[0].model_extra["token_ids"]
+            text += c.choices[0].text
+            usage = c.usage or usage
+        assert streamed == want
+        assert text == choice.text  # the deltas add up to the whole text
+        assert usage.completion_tokens == len(want)
+
+
+def server_model(server) -> str:
+    return httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+
+
+def test_chat_completion_uses_the_chat_template(server, client, folder):
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "w1 w2 w3"}]
+    whole = client.chat.completions.create(model=server_model(server), messages=messages, max_tokens=6, temperature=0)
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert whole.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert whole.usage.prompt_tokens == len(prompt)
+    # the same tokens through /v1/completions with the rendered prompt's ids
+    plain = client.completions.create(model=server_model(server), prompt=prompt, max_tokens=6, temperature=0)
+    assert plain.choices[0].model_extra["token_ids"] == ids
+    chunks = list(client.chat.completions.create(model=server_model(server), messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == ids
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_sampling_with_a_seed_and_text_prompts(server, client):
+    out = client.completions.create(model=server_model(server), prompt="w3 w4 w5", max_tokens=8, temperature=1.0,
+                                    top_p=0.9, seed=7)
+    ids = out.choices[0].model_extra["token_ids"]
+    assert 1 <= len(ids) <= 8 and all(0 <= t < 128 for t in ids)
+    assert out.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"model": "tiny", "prompt": [1, 2', 400, None),  # malformed JSON
+    ({"model": "other", "prompt": [1]}, 404, "model"),
+    ({"model": None, "prompt": [1]}, 400, "model"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 2, 128]}, 400, "prompt"),  # outside the vocabulary
+    ({"prompt": [1, -1]}, 400, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": 600}, 400, "max_tokens"),  # past the model's 512 positions
+    ({"prompt": [1] * 513}, 400, "prompt"),
+    ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1], "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": [1], "temperature": 1e9}, 400, "temperature"),
+    ({"prompt": [1], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1], "n": 3}, 400, "n"),
+    ({"prompt": [1], "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": [1], "stop_token_ids": [999]}, 400, "stop_token_ids"),
+    ({"prompt": [[1], [2]]}, 400, "prompt"),
+])
+def test_bad_requests_are_4xx_naming_the_field(server, body, status, param):
+    if isinstance(body, dict):
+        body = {"model": server_model(server), **body} if "model" not in body else body
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    # the server goes on serving
+    assert server.post("/v1/completions", {"model": server_model(server), "prompt": [5], "max_tokens": 1}).status_code == 200
+
+
+def test_chat_without_messages_and_a_wrong_api_key(server):
+    r = server.post("/v1/chat/completions", {"model": server_model(server), "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for key in (None, "wrong"):
+        r = server.post("/v1/completions", {"model": server_model(server), "prompt": [1]}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open without the key
+
+
+def test_a_client_that_disconnects_has_its_request_cancelled(server):
+    before = server.metrics()
+    body = {"model": server_model(server), "prompt": [5, 6, 7], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk: the request runs
+    # closed after one chunk: within a second the request is out of the engine, its blocks free
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["metainfer_requests_running"] == 0 and m['metainfer_kv_blocks{state="used"}'] == 0:
+            break
+        time.sleep(0.1)
+    assert m["metainfer_requests_running"] == 0 and m['metainfer_kv_blocks{state="used"}'] == 0, m
+    cancelled = 'metainfer_requests_total{endpoint="/v1/completions",status="cancelled"}'
+    assert m.get(cancelled, 0) == before.get(cancelled, 0) + 1
+    generated = m["metainfer_generation_tokens_total"] - before["metainfer_generation_tokens_total"]
+    assert generated < 400, "the request ran to its end"
+
+
+def test_past_the_queue_requests_get_429(server):
+    """MAX_RUNNING in the engine, MAX_QUEUE waiting: of more concurrent long requests, the rest
+    get 429 with Retry-After, the others finish."""
+    n = MAX_RUNNING + MAX_QUEUE + 4
+    codes, retry = [], []
+    body = {"model": server_model(server), "prompt": [5, 6, 7], "max_tokens": 60}
+    start = threading.Barrier(n)
+
+    def one():
+        start.wait()
+        r = server.post("/v1/completions", body)
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            retry.append(r.headers.get("retry-after"))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(set(codes)) == [200, 429], codes
+    assert codes.count(200) <= MAX_RUNNING + MAX_QUEUE and codes.count(429) >= n - MAX_RUNNING - MAX_QUEUE
+    assert all(r is not None and int(r) >= 1 for r in retry)
+
+
+def test_metrics_count_what_happened(server):
+    m = server.metrics()
+    assert m['metainfer_requests_total{endpoint="/v1/completions",status="ok"}'] >= 6
+    assert m["metainfer_time_to_first_token_seconds_count"] >= 6
+    assert m["metainfer_prompt_tokens_total"] > 0 and m["metainfer_generation_tokens_total"] > 0
+    assert m['metainfer_kv_blocks{state="free"}'] == 64 and m["metainfer_graphs_compiled"] >= 1
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
+    """The last test: SIGTERM while a stream runs; the stream completes, new connections are
+    refused, the process exits 0."""
+    body = {"model": server_model(server), "prompt": [5, 6, 7], "max_tokens": 40, "stream": True}
+    lines = []
+
+    def read():
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(timeout=120)
+    assert server.proc.wait(timeout=60) == 0, server.tail()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    tokens = sum(len(json.loads(x[6:])["choices"][0]["token_ids"]) for x in lines[:-1] if json.loads(x[6:])["choices"])
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and tokens == last["usage"]["completion_tokens"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=5)
+
+
+# ---- the application around a stand-in engine (no model): failures a real engine rarely shows
+
+class _StandInEngine:
+    """Yields `tokens` one at a time, or raises what `fail` holds at the first step."""
+
+    def __init__(self, fail=None, tokens=(7, 8, 9)):
+        self.fail, self.tokens, self.ready = fail, list(tokens), False
+
+    def start(self):
+        pass
+
+    async def warm_up(self):
+        self.ready = True
+
+    def stop(self):
+        pass
+
+    async def generate(self, req, count=True):
+        if self.fail is not None:
+            raise self.fail
+        for i in range(1, len(self.tokens) + 1):
+            yield self.tokens[:i], ("length" if i == len(self.tokens) else None)
+
+
+def _app(engine):
+    from fastapi.testclient import TestClient
+
+    from metainfer.server.app import build_app
+    from metainfer.server.metrics import Metrics
+    from metainfer.server.protocol import ModelInfo
+
+    info = ModelInfo(name="m", vocab_size=16, max_positions=64, eos_token_ids=[2])
+    return TestClient(build_app(engine, info, Metrics()), raise_server_exceptions=False)
+
+
+def test_an_internal_error_fails_that_request_with_an_id_in_the_log(caplog):
+    with _app(_StandInEngine(fail=RuntimeError("boom"))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 2]})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        ref = err["message"].split("id ")[1].split(" ")[0]
+        assert err["code"] == "internal_error" and any(ref in rec.getMessage() for rec in caplog.records)
+        assert c.get("/health").status_code == 200  # still serving
+
+
+def test_timeouts_and_overload_keep_the_openai_shape():
+    from metainfer.server.engine import Overloaded, RequestTimeout
+
+    with _app(_StandInEngine(fail=RequestTimeout(3.0))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1]})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    with _app(_StandInEngine(fail=Overloaded(2, 2))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1], "stream": True})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    with _app(_StandInEngine()) as c:  # no tokenizer: ids out, empty text
+        assert c.get("/ready").status_code == 200
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 3})
+        assert r.json()["choices"][0]["token_ids"] == [7, 8, 9] and r.json()["choices"][0]["text"] == ""
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "text"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+
+
+def test_admission_hands_slots_in_order_and_refuses_past_the_queue():
+    import asyncio
+
+    from metainfer.server.engine import Admission, Overloaded
+
+    async def scenario():
+        adm = Admission(max_running=1, max_queue=2)
+        await adm.acquire()  # runs
+        order = []
+
+        async def wait(name):
+            await adm.acquire()
+            order.append(name)
+
+        a, b = asyncio.create_task(wait("a")), asyncio.create_task(wait("b"))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await adm.acquire()  # one running, two waiting: full
+        b.cancel()  # a waiter that goes away leaves the queue
+        await asyncio.sleep(0)
+        assert len(adm.waiting) == 1
+        adm.release()  # the running one ends: a takes its slot
+        await a
+        assert order == ["a"] and adm.running == 1 and not adm.waiting
+        adm.release()
+        assert adm.running == 0
+
+    asyncio.run(scenario())

@@ -174,20 +174,57 @@ def cmd_plan(a) -> int:
     return 0
 
 
-def cmd_bench_serving(a) -> int:
-    target = _target(a.target)
-    _device_for(target)
+def _workload(a):
     from metainfer import servebench
 
     if a.workload:
         try:
-            workload = servebench.Workload.load(a.workload)
+            return servebench.Workload.load(a.workload)
         except (OSError, ValueError) as e:
             raise UsageError(f"--workload {a.workload}: {e}") from None
-    else:
-        workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output,
-                                                 prefix_groups=a.prefix_groups, prefix_tokens=a.prefix_tokens,
-                                                 arrival_rate=a.arrival_rate)
+    return servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output,
+                                         prefix_groups=a.prefix_groups, prefix_tokens=a.prefix_tokens,
+                                         arrival_rate=a.arrival_rate)
+
+
+def _bench_urls(a, workload) -> int:
+    import asyncio
+
+    from metainfer import loadgen, servebench
+
+    tokenizer, vocab = None, a.vocab
+    if a.model in servebench.MODELS:
+        vocab = vocab or servebench.MODELS[a.model]["vocab_size"]
+        tokenizer = servebench.word_tokenizer(vocab) if a.text else None
+    elif a.text:
+        raise UsageError("--text needs --model to be a benchmark model (its word tokenizer makes the text)")
+    if vocab is None:
+        raise UsageError("--url: give --vocab (the served model's vocabulary size) or a benchmark --model")
+    results = []
+    for url in a.url:
+        try:
+            results.append(asyncio.run(loadgen.run(url, workload, vocab=vocab, tokenizer=tokenizer, api_key=a.api_key,
+                                                   concurrency=a.concurrency, progress=sys.stderr.isatty())))
+        except OSError as e:
+            raise UsageError(f"--url {url}: {e}") from None
+    print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens, "
+          f"concurrency {a.concurrency or 'all'}")
+    print(loadgen.table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in results]},
+                                           indent=2, default=str))
+    return 0
+
+
+def cmd_bench_serving(a) -> int:
+    from metainfer import servebench
+
+    if a.url:
+        return _bench_urls(a, _workload(a))
+    target = _target(a.target)
+    _device_for(target)
+
+    workload = _workload(a)
     if a.model not in servebench.MODELS and not a.model.endswith(".json") and not Path(a.model).is_dir():
         raise UsageError(f"--model {a.model}: neither a benchmark model ({', '.join(servebench.MODELS)}) nor a Hugging "
                          "Face config.json")
@@ -394,6 +431,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
     b.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
     b.add_argument("--json", metavar="FILE", help="write the workload and every row as JSON")
+    b.add_argument("--url", nargs="+", metavar="URL", help="instead: drive these OpenAI-compatible servers (one "
+                   "after the other) with the workload over HTTP, streamed /v1/completions, and compare them")
+    b.add_argument("--concurrency", type=_positive_int, metavar="N", help="with --url: requests in flight at once "
+                   "(default: all)")
+    b.add_argument("--api-key", help="with --url: sent as 'Authorization: Bearer KEY'")
+    b.add_argument("--vocab", type=_positive_int, metavar="N", help="with --url: the served model's vocabulary "
+                   "size (random token-id prompts; default: --model's)")
+    b.add_argument("--text", action="store_true", help="with --url: send prompts as text through --model's word "
+                   "tokenizer (for servers that take text only, e.g. transformers serve)")
     b.set_defaults(fn=cmd_bench_serving)
 
     cal = sub.add_parser("calibrate", help="measure this machine (GEMM, memory, per-kernel overhead, gloo) and "

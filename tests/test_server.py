@@ -257,6 +257,25 @@ def test_past_the_queue_requests_get_429(server):
     assert all(r is not None and int(r) >= 1 for r in retry)
 
 
+def test_bench_serving_url_drives_the_server(server):
+    """The HTTP load generator (metainfer bench-serving --url): every request answered, the
+    figures add up, a wrong key is counted as errors, not dropped."""
+    import asyncio
+
+    from metainfer import loadgen, servebench
+
+    w = servebench.Workload.synthetic(6, prompt=(4, 20), output=5, prefix_groups=2, prefix_tokens=8, seed=3)
+    res = asyncio.run(loadgen.run(server.url, w, vocab=128, api_key=KEY, concurrency=3))
+    assert res.ok == 6 and res.errors == {}
+    assert res.input_tokens == sum(len(p) for p in w.prompts(128))
+    assert 6 <= res.output_tokens <= 30 and res.seconds > 0 and res.ttft_p50 <= res.seconds
+    text = asyncio.run(loadgen.run(server.url, w, tokenizer=servebench.word_tokenizer(128), api_key=KEY, concurrency=4))
+    assert text.ok == 6 and text.input_tokens == res.input_tokens  # the word tokenizer round-trips
+    bad = asyncio.run(loadgen.run(server.url, w, vocab=128, api_key="wrong", model="hf-llama-tiny"))
+    assert bad.ok == 0 and bad.errors == {"HTTP 401": 6}
+    assert "TTFT p50 ms" in loadgen.table([res, text, bad])
+
+
 def test_metrics_count_what_happened(server):
     m = server.metrics()
     assert m['metainfer_requests_total{endpoint="/v1/completions",status="ok"}'] >= 6

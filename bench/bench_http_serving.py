@@ -1,0 +1,151 @@
+"""Serving over HTTP, side by side in one run: `metainfer serve` against `transformers serve
+--continuous-batching` on the same model, workload and KV pool, driven by the same client
+(metainfer.loadgen: streamed /v1/completions, greedy, text prompts through the model's word
+tokenizer), and metainfer's own `generate_batch` in this process on the same workload (what
+HTTP costs).
+
+    python bench/bench_http_serving.py [--model hf-llama-512x4] [--requests 32] [--concurrency 32]
+
+Each server runs alone on 127.0.0.1 (one after the other, so they do not share the cores), is
+warmed up with two passes of the workload (compiles, the engine's first steps), then measured
+over `--rounds` passes; the table reports the best measured pass of each. transformers serve
+needs `accelerate` (pip install accelerate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from metainfer import loadgen, servebench
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], url: str, ready: str, log_path: str, timeout_s: float = 900) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited; see {log_path}")
+        try:
+            if httpx.get(f"{url}{ready}", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise TimeoutError(f"{' '.join(cmd[:3])} not ready in {timeout_s} s; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+WARM_UP = 2  # passes before measuring: packed sizes met for the first time can compile another graph
+
+
+def _measure(name, url, workload, tokenizer, concurrency, rounds):
+    for _ in range(WARM_UP):
+        asyncio.run(loadgen.run(url, workload, tokenizer=tokenizer, concurrency=concurrency))
+    runs = [asyncio.run(loadgen.run(url, workload, name=name, tokenizer=tokenizer, concurrency=concurrency))
+            for _ in range(rounds)]
+    return max(runs, key=lambda r: r.input_tps)
+
+
+def _in_process(folder, workload, num_blocks, rounds) -> loadgen.LoadResult:
+    """metainfer's generate_batch on the workload in this process (all requests at once)."""
+    import transformers
+
+    import metainfer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    opt = metainfer.optimize(model, "cpu", serve_compile="always")
+    prompts = workload.prompts(model.config.vocab_size)
+    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=workload.requests[0].output_tokens,
+                                        eos_token_id=model.generation_config.eos_token_id, pad_token_id=0)
+    cfg = transformers.ContinuousBatchingConfig(num_blocks=num_blocks)
+    best = None
+    for i in range(WARM_UP + rounds):
+        t0 = time.perf_counter()
+        out = opt.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg,
+                                 record_timestamps=True)
+        sent = []
+        for p, o in zip(prompts, out.values()):
+            s = loadgen.Sent(prompt_tokens=len(p), start=t0, output_tokens=len(o.generated_tokens))
+            s.token_times = list(o.timestamps or [])  # perf_counter times, as t0
+            sent.append(s)
+        if i >= WARM_UP:
+            r = loadgen.summarise("generate_batch (in process)", sent, t0)
+            r.seconds = max(r.seconds, time.perf_counter() - t0)
+            best = r if best is None or r.input_tps > best.input_tps else best
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="hf-llama-512x4", choices=sorted(servebench.MODELS))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, nargs=2, default=(64, 512))
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-blocks", type=int, default=256, help="KV pool blocks of 256 tokens, every engine")
+    ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "transformers", "in-process"))
+    a = ap.parse_args()
+    workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output, seed=1)
+    tokenizer = servebench.word_tokenizer(servebench.MODELS[a.model]["vocab_size"])
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, a.model)
+        servebench.build_model(a.model).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if "metainfer" not in a.skip:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
+                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))],
+                          url, "/ready", os.path.join(tmp, "metainfer.log"))
+            try:
+                results.append(_measure("metainfer serve", url, workload, tokenizer, a.concurrency, a.rounds))
+            finally:
+                _stop(proc)
+        if "transformers" not in a.skip:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = _start(["transformers", "serve", folder, "--continuous-batching", "--port", str(port),
+                           "--cb-num-blocks", str(a.num_blocks)], url, "/v1/models",
+                          os.path.join(tmp, "transformers.log"))
+            try:
+                results.append(_measure("transformers serve --cb", url, workload, tokenizer, a.concurrency, a.rounds))
+            finally:
+                _stop(proc)
+        if "in-process" not in a.skip:
+            results.append(_in_process(folder, workload, a.num_blocks, a.rounds))
+    print(f"{a.model}, {a.requests} requests, prompts {a.prompt[0]}..{a.prompt[1]} tokens "
+          f"({sum(r.prompt_tokens for r in workload.requests)} in all), {a.output} new each, concurrency "
+          f"{a.concurrency}, KV pool {a.num_blocks} blocks; best of {a.rounds} measured passes each")
+    print(loadgen.table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
-"""Serving over HTTP, side by side in one run: `metainfer serve` against `transformers serve
---continuous-batching` on the same model, workload and KV pool, driven by the same client
+"""Serving over HTTP, side by side in one run: `metainfer serve` (its engine able to sample, and
+with --greedy) against `transformers serve --continuous-batching` on the same model, workload and KV pool, driven by the same client
 (metainfer.loadgen: streamed /v1/completions, greedy, text prompts through the model's word
 tokenizer), and metainfer's own `generate_batch` in this process on the same workload (what
 HTTP costs).
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=256, help="KV pool blocks of 256 tokens, every engine")
-    ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "transformers", "in-process"))
+    ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "metainfer-greedy", "transformers", "in-process"))
     a = ap.parse_args()
     workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output, seed=1)
     tokenizer = servebench.word_tokenizer(servebench.MODELS[a.model]["vocab_size"])
@@ -119,14 +119,17 @@ def main() -> None:
         folder = os.path.join(tmp, a.model)
         servebench.build_model(a.model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        if "metainfer" not in a.skip:
+        for greedy in (False, True):
+            if ("metainfer-greedy" if greedy else "metainfer") in a.skip:
+                continue
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
-                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))],
-                          url, "/ready", os.path.join(tmp, "metainfer.log"))
+                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))]
+                          + (["--greedy"] if greedy else []), url, "/ready", os.path.join(tmp, "metainfer.log"))
             try:
-                results.append(_measure("metainfer serve", url, workload, tokenizer, a.concurrency, a.rounds))
+                results.append(_measure("metainfer serve" + (" --greedy" if greedy else ""), url, workload, tokenizer,
+                                        a.concurrency, a.rounds))
             finally:
                 _stop(proc)
         if "transformers" not in a.skip:

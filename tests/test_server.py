@@ -276,6 +276,16 @@ def test_bench_serving_url_drives_the_server(server):
     assert "TTFT p50 ms" in loadgen.table([res, text, bad])
 
 
+def test_the_cli_drives_a_server_by_url(server, capsys):
+    from metainfer import cli
+
+    rc = cli.main(["bench-serving", "--url", server.url, "--api-key", KEY, "--requests", "3", "--prompt", "4", "8",
+                   "--output", "2", "--concurrency", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "3 requests" in out and "3/3" in out, out
+    assert cli.main(["bench-serving", "--url", server.url, "--model", "cfg.json"]) == 2  # no vocabulary to draw from
+
+
 def test_metrics_count_what_happened(server):
     m = server.metrics()
     assert m['metainfer_requests_total{endpoint="/v1/completions",status="ok"}'] >= 6
@@ -399,3 +409,17 @@ def test_admission_hands_slots_in_order_and_refuses_past_the_queue():
         assert adm.running == 0
 
     asyncio.run(scenario())
+
+
+def test_a_greedy_server_refuses_sampling_and_defaults_to_greedy():
+    from metainfer.server import protocol
+
+    info = protocol.ModelInfo(name="m", vocab_size=16, max_positions=64, eos_token_ids=[2], sampling=False)
+    req = protocol.parse({"model": "m", "prompt": [1, 2]}, "completion", info)
+    assert req.greedy and req.temperature == 0
+    for extra, param in (({"temperature": 0.7}, "temperature"), ({"top_k": 5}, "top_k")):
+        with pytest.raises(protocol.APIError) as e:
+            protocol.parse({"model": "m", "prompt": [1, 2], **extra}, "completion", info)
+        assert e.value.status == 400 and e.value.param == param
+    sampled = protocol.parse({"model": "m", "prompt": [1]}, "completion", protocol.ModelInfo("m", 16, 64, [2]))
+    assert sampled.temperature == 1.0 and not sampled.greedy  # OpenAI's default where the engine samples

@@ -1,8 +1,8 @@
 """Serving over HTTP, side by side in one run: `metainfer serve` (its engine able to sample, and
 with --greedy) against `transformers serve --continuous-batching` on the same model, workload and KV pool, driven by the same client
 (metainfer.loadgen: streamed /v1/completions, greedy, text prompts through the model's word
-tokenizer), and metainfer's own `generate_batch` in this process on the same workload (what
-HTTP costs).
+tokenizer), and, in this process on the same workload, the server's greedy engine without HTTP
+(one persistent manager: what HTTP costs) and `generate_batch` (an engine started per call).
 
     python bench/bench_http_serving.py [--model hf-llama-512x4] [--requests 32] [--concurrency 32]
 
@@ -101,6 +101,49 @@ def _in_process(folder, workload, num_blocks, rounds) -> loadgen.LoadResult:
     return best
 
 
+def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResult:
+    """The server's greedy engine without HTTP: one persistent manager in this process
+    (`opt.init_continuous_batching`), each pass's requests added at once."""
+    import transformers
+
+    import metainfer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    opt = metainfer.optimize(model, "cpu", serve_compile="always")
+    prompts = workload.prompts(model.config.vocab_size)
+    new = workload.requests[0].output_tokens
+    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=new,
+                                        eos_token_id=model.generation_config.eos_token_id, pad_token_id=0)
+    manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=(
+        transformers.ContinuousBatchingConfig(num_blocks=num_blocks)))
+    manager.start()
+    best = None
+    try:
+        for i in range(WARM_UP + rounds):
+            t0 = time.perf_counter()
+            ids = manager.add_requests(prompts, max_new_tokens=new, record_timestamps=True)
+            done = {}
+            while len(done) < len(ids):
+                out = manager.get_result(timeout=60)
+                if out is None:
+                    raise RuntimeError("the engine stopped")
+                if out.is_finished():
+                    done[out.request_id] = out
+            sent = []
+            for rid, p in zip(ids, prompts):
+                o = done[rid]
+                s = loadgen.Sent(prompt_tokens=len(p), start=t0, output_tokens=len(o.generated_tokens),
+                                 error=o.error)
+                s.token_times = list(o.timestamps or [])
+                sent.append(s)
+            if i >= WARM_UP:
+                r = loadgen.summarise("greedy engine in process", sent, t0)
+                best = r if best is None or r.input_tps > best.input_tps else best
+    finally:
+        manager.stop()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="hf-llama-512x4", choices=sorted(servebench.MODELS))
@@ -143,6 +186,7 @@ def main() -> None:
             finally:
                 _stop(proc)
         if "in-process" not in a.skip:
+            results.append(_in_process_engine(folder, workload, a.num_blocks, a.rounds))
             results.append(_in_process(folder, workload, a.num_blocks, a.rounds))
     print(f"{a.model}, {a.requests} requests, prompts {a.prompt[0]}..{a.prompt[1]} tokens "
           f"({sum(r.prompt_tokens for r in workload.requests)} in all), {a.output} new each, concurrency "

@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 def _start(cmd: list[str], url: str, ready: str, log_path: str, timeout_s: float = 900) -> subprocess.Popen:
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(log_path),
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -52,9 +52,13 @@ def python_c():
     """Run `python -c code` in a fresh interpreter (what a process that never imported this test
     run's modules sees): returns its stdout; a non-zero exit fails with its stderr."""
     import subprocess
+    import tempfile
 
     def run(code: str, timeout: float = 120) -> str:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        # not from the checkout: `-c` puts the working directory first on sys.path, where kernels/
+        # would shadow the `kernels` package transformers imports
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                           cwd=tempfile.gettempdir())
         assert r.returncode == 0, r.stderr
         return r.stdout
 

@@ -55,7 +55,9 @@ class Server:
             [sys.executable, "-m", "metainfer", "serve", "--model", str(folder), "--port", str(self.port),
              "--api-key", KEY, "--lowering", "aot_eager", "--max-running", str(MAX_RUNNING),
              "--max-queue", str(MAX_QUEUE), "--num-blocks", "64", "--grace", "20"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=tmp)  # not the checkout: `python -m` puts the working directory first on sys.path, where
+        # kernels/ would shadow the `kernels` package transformers imports
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited: {self.tail()}"

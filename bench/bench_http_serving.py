@@ -122,13 +122,7 @@ def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResu
         for i in range(WARM_UP + rounds):
             t0 = time.perf_counter()
             ids = manager.add_requests(prompts, max_new_tokens=new, record_timestamps=True)
-            done = {}
-            while len(done) < len(ids):
-                out = manager.get_result(timeout=60)
-                if out is None:
-                    raise RuntimeError("the engine stopped")
-                if out.is_finished():
-                    done[out.request_id] = out
+            done = servebench.collect(manager, ids)
             sent = []
             for rid, p in zip(ids, prompts):
                 o = done[rid]

@@ -207,11 +207,16 @@ def _bench_urls(a, workload) -> int:
                                                    concurrency=a.concurrency, progress=sys.stderr.isatty())))
         except OSError as e:
             raise UsageError(f"--url {url}: {e}") from None
-    print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens, "
-          f"concurrency {a.concurrency or 'all'}")
-    print(loadgen.table(results))
+    return _report(a, workload, f"concurrency {a.concurrency or 'all'}", loadgen.table(results), results)
+
+
+def _report(a, workload, setting: str, table: str, rows) -> int:
+    """A bench-serving run's table (and, with --json, the workload and every row)."""
+    print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens "
+          f"(+{workload.prefix_tokens} shared per prefix group), {setting}")
+    print(table)
     if a.json:
-        Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in results]},
+        Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in rows]},
                                            indent=2, default=str))
     return 0
 
@@ -239,13 +244,7 @@ def cmd_bench_serving(a) -> int:
     sizing = ("each engine its own" if a.engine_sizing else
               f"a pool of {servebench.workload_blocks(workload, a.page_size or 256)} blocks for the plain engines, "
               "metainfer's own")
-    print(f"{len(workload.requests)} requests, {sum(r.prompt_tokens for r in workload.requests)} prompt tokens "
-          f"(+{workload.prefix_tokens} shared per prefix group), engine config {cfg or sizing}")
-    print(servebench.table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"workload": workload.to_dict(), "rows": [r.to_dict() for r in rows]},
-                                           indent=2, default=str))
-    return 0
+    return _report(a, workload, f"engine config {cfg or sizing}", servebench.table(rows), rows)
 
 
 def cmd_serve(a) -> int:

@@ -188,7 +188,6 @@ def _engine_run(serve, prompts, workload: Workload, outputs: list[int]):
         times = [(o.created_time, o.timestamps or []) for o in results]
         return _duration(t0, times), times, [o.generated_tokens for o in results]
     manager = serve["manager"](max(outputs))
-    got: dict[str, Any] = {}
     arrivals = {}
     manager.start()
     try:
@@ -200,16 +199,23 @@ def _engine_run(serve, prompts, workload: Workload, outputs: list[int]):
             rid = manager.add_request(p, max_new_tokens=r.output_tokens, record_timestamps=True)
             arrivals[rid] = time.perf_counter()
             ids.append(rid)
-        while len(got) < len(ids):
-            out = manager.get_result(timeout=60)
-            if out is None:
-                raise RuntimeError("the engine stopped before serving every request")
-            if out.is_finished():
-                got[out.request_id] = out
+        got = collect(manager, ids)
     finally:
         manager.stop(block=True, timeout=60)
     times = [(arrivals[i], got[i].timestamps or []) for i in ids]
     return _duration(t0, times), times, [got[i].generated_tokens for i in ids]
+
+
+def collect(manager, ids: list[str], timeout_s: float = 60) -> dict[str, Any]:
+    """The final output of every request in `ids` from a running engine manager, by request id."""
+    got: dict[str, Any] = {}
+    while len(got) < len(ids):
+        out = manager.get_result(timeout=timeout_s)
+        if out is None:
+            raise RuntimeError("the engine stopped before serving every request")
+        if out.is_finished():
+            got[out.request_id] = out
+    return got
 
 
 def _duration(t0: float, times) -> float:

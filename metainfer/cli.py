@@ -250,12 +250,11 @@ def cmd_bench_serving(a) -> int:
 def cmd_serve(a) -> int:
     target = _target(a.target)
     device = _device_for(target)
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as e:
-        raise UsageError(f"metainfer serve needs the serve extra (pip install 'metainfer[serve]'): {e}") from None
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"metainfer serve needs the serve extra (pip install 'metainfer[serve]'): no {', '.join(missing)}")
     import logging
 
     import torch
@@ -276,11 +275,9 @@ def cmd_serve(a) -> int:
 
     cfg = ContinuousBatchingConfig(**{k: v for k, v in (("num_blocks", a.num_blocks),
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     info = ModelInfo(name=a.served_model_name or name, vocab_size=model.config.vocab_size,
-                     max_positions=getattr(model.config, "max_position_embeddings", None),
-                     eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                     tokenizer=tokenizer, sampling=not a.greedy)
+                     max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer,
+                     sampling=not a.greedy)
     app.run(opt, info, sampling=not a.greedy, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
             max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout, grace=a.grace,
             cb_config=cfg)

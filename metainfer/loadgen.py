@@ -35,7 +35,6 @@ class Sent:
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
-    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -132,7 +131,6 @@ async def _stream(client, url: str, body: dict, sent: Sent) -> None:
                 if choice.get("text") or new:
                     sent.token_times.append(time.perf_counter())
                     ids += new or []
-        sent.token_ids = ids or None
         if not sent.output_tokens:
             sent.output_tokens = len(ids) or len(sent.token_times)
 

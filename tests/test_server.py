@@ -352,7 +352,7 @@ def _app(engine):
     from metainfer.server.metrics import Metrics
     from metainfer.server.protocol import ModelInfo
 
-    info = ModelInfo(name="m", vocab_size=16, max_positions=64, eos_token_ids=[2])
+    info = ModelInfo(name="m", vocab_size=16, max_positions=64)
     return TestClient(build_app(engine, info, Metrics()), raise_server_exceptions=False)
 
 
@@ -416,12 +416,12 @@ def test_admission_hands_slots_in_order_and_refuses_past_the_queue():
 def test_a_greedy_server_refuses_sampling_and_defaults_to_greedy():
     from metainfer.server import protocol
 
-    info = protocol.ModelInfo(name="m", vocab_size=16, max_positions=64, eos_token_ids=[2], sampling=False)
+    info = protocol.ModelInfo(name="m", vocab_size=16, max_positions=64, sampling=False)
     req = protocol.parse({"model": "m", "prompt": [1, 2]}, "completion", info)
     assert req.greedy and req.temperature == 0
     for extra, param in (({"temperature": 0.7}, "temperature"), ({"top_k": 5}, "top_k")):
         with pytest.raises(protocol.APIError) as e:
             protocol.parse({"model": "m", "prompt": [1, 2], **extra}, "completion", info)
         assert e.value.status == 400 and e.value.param == param
-    sampled = protocol.parse({"model": "m", "prompt": [1]}, "completion", protocol.ModelInfo("m", 16, 64, [2]))
+    sampled = protocol.parse({"model": "m", "prompt": [1]}, "completion", protocol.ModelInfo("m", 16, 64))
     assert sampled.temperature == 1.0 and not sampled.greedy  # OpenAI's default where the engine samples

@@ -45,10 +45,6 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
 
     app = FastAPI(title="metainfer", lifespan=lifespan)
 
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if api_key is not None and request.url.path.startswith("/v1/") and \

@@ -200,13 +200,6 @@ class Engine:
             return float(total - free), float(free)
         return 0.0, float(total)
 
-    def active(self) -> int:
-        """Requests the engine's scheduler holds (running or waiting for blocks)."""
-        scheduler = getattr(getattr(self.manager, "batch_processor", None), "scheduler", None)
-        if scheduler is None:
-            return 0
-        return len(scheduler.active_requests) + len(scheduler.waiting_requests)
-
     def _prefix_hit(self) -> float:
         steps = getattr(self.manager, "steps", None)
         admitted = self.manager._admitted

@@ -67,7 +67,6 @@ class ModelInfo:
     name: str
     vocab_size: int
     max_positions: int | None  # None: no limit the config states
-    eos_token_ids: list[int]
     tokenizer: Any = None  # a transformers tokenizer, or None: token ids in and out only
     sampling: bool = True  # False: the engine decodes greedily (temperature defaults to 0, > 0 refused)
 

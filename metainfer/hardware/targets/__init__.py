@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["Target", "DeviceSpec", "LinkSpec", "Topology", "TargetError", "names", "get", "load"]
+__all__ = ["Target", "DeviceSpec", "LinkSpec", "Topology", "TargetError", "names", "get", "load", "builtins", "required"]
 
 _BUILTIN_DIR = Path(__file__).resolve().parent
 DEVICE_KINDS = ("cpu", "cuda")

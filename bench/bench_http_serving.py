@@ -1,8 +1,9 @@
-"""Serving over HTTP, side by side in one run: `metainfer serve` (its engine able to sample, and
-with --greedy) against `transformers serve --continuous-batching` on the same model, workload and KV pool, driven by the same client
+"""Serving over HTTP, side by side in one run: `metainfer serve` against `transformers serve
+--continuous-batching` on the same model, workload and KV pool, driven by the same client
 (metainfer.loadgen: streamed /v1/completions, greedy, text prompts through the model's word
-tokenizer), and, in this process on the same workload, the server's greedy engine without HTTP
-(one persistent manager: what HTTP costs) and `generate_batch` (an engine started per call).
+tokenizer), and, in this process on the same workload, the server's engine without HTTP (one
+persistent manager with the server's sampling config, requests at temperature 0: what HTTP
+costs) and `generate_batch` (an engine started per call).
 
     python bench/bench_http_serving.py [--model hf-llama-512x4] [--requests 32] [--concurrency 32]
 
@@ -102,8 +103,9 @@ def _in_process(folder, workload, num_blocks, rounds) -> loadgen.LoadResult:
 
 
 def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResult:
-    """The server's greedy engine without HTTP: one persistent manager in this process
-    (`opt.init_continuous_batching`), each pass's requests added at once."""
+    """The server's engine without HTTP: one persistent manager in this process
+    (`opt.init_continuous_batching` with the server's sampling config, so metainfer's sampler),
+    each pass's requests added at once at temperature 0."""
     import transformers
 
     import metainfer
@@ -112,7 +114,7 @@ def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResu
     opt = metainfer.optimize(model, "cpu", serve_compile="always")
     prompts = workload.prompts(model.config.vocab_size)
     new = workload.requests[0].output_tokens
-    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=new,
+    gen = transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
                                         eos_token_id=model.generation_config.eos_token_id, pad_token_id=0)
     manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=(
         transformers.ContinuousBatchingConfig(num_blocks=num_blocks)))
@@ -121,7 +123,7 @@ def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResu
     try:
         for i in range(WARM_UP + rounds):
             t0 = time.perf_counter()
-            ids = manager.add_requests(prompts, max_new_tokens=new, record_timestamps=True)
+            ids = manager.add_requests(prompts, max_new_tokens=new, record_timestamps=True, temperature=0.0)
             done = servebench.collect(manager, ids)
             sent = []
             for rid, p in zip(ids, prompts):
@@ -131,7 +133,7 @@ def _in_process_engine(folder, workload, num_blocks, rounds) -> loadgen.LoadResu
                 s.token_times = list(o.timestamps or [])
                 sent.append(s)
             if i >= WARM_UP:
-                r = loadgen.summarise("greedy engine in process", sent, t0)
+                r = loadgen.summarise("server's engine in process", sent, t0)
                 best = r if best is None or r.input_tps > best.input_tps else best
     finally:
         manager.stop()
@@ -147,7 +149,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=256, help="KV pool blocks of 256 tokens, every engine")
-    ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "metainfer-greedy", "transformers", "in-process"))
+    ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "transformers", "in-process"))
     a = ap.parse_args()
     workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output, seed=1)
     tokenizer = servebench.word_tokenizer(servebench.MODELS[a.model]["vocab_size"])
@@ -156,17 +158,14 @@ def main() -> None:
         folder = os.path.join(tmp, a.model)
         servebench.build_model(a.model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        for greedy in (False, True):
-            if ("metainfer-greedy" if greedy else "metainfer") in a.skip:
-                continue
+        if "metainfer" not in a.skip:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
-                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))]
-                          + (["--greedy"] if greedy else []), url, "/ready", os.path.join(tmp, "metainfer.log"))
+                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))],
+                          url, "/ready", os.path.join(tmp, "metainfer.log"))
             try:
-                results.append(_measure("metainfer serve" + (" --greedy" if greedy else ""), url, workload, tokenizer,
-                                        a.concurrency, a.rounds))
+                results.append(_measure("metainfer serve", url, workload, tokenizer, a.concurrency, a.rounds))
             finally:
                 _stop(proc)
         if "transformers" not in a.skip:

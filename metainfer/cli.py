@@ -276,9 +276,8 @@ def cmd_serve(a) -> int:
     cfg = ContinuousBatchingConfig(**{k: v for k, v in (("num_blocks", a.num_blocks),
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
     info = ModelInfo(name=a.served_model_name or name, vocab_size=model.config.vocab_size,
-                     max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer,
-                     sampling=not a.greedy)
-    app.run(opt, info, sampling=not a.greedy, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
+                     max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer)
+    app.run(opt, info, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
             max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout, grace=a.grace,
             cb_config=cfg)
     return 0
@@ -482,8 +481,6 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     sv.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
     sv.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
-    sv.add_argument("--greedy", action="store_true", help="decode greedily only (temperature > 0 refused): the "
-                    "engine skips the per-request sampling processors, which sort the vocabulary every step")
     sv.set_defaults(fn=cmd_serve)
 
     t = sub.add_parser("targets", help="list the built-in targets")

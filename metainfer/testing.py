@@ -218,3 +218,96 @@ def functional_collectives_check(rank: int, world_size: int, device: str) -> lis
             if got.device.type != torch.device(device).type or not torch.equal(got, want):
                 bad.append(f"rank {rank} {how} {name}: got {got.tolist()}, want {want.tolist()}")
     return bad
+
+
+# ---- a `metainfer serve` process for tests (needs the serve and test extras: httpx)
+
+def tiny_model_folder(path):
+    """The benchmark's hf-llama-tiny (random weights, 512 positions) and its word tokenizer (with a
+    chat template), saved as a Hugging Face model folder at `path`."""
+    from metainfer import servebench
+
+    model = servebench.build_model("hf-llama-tiny")
+    model.config.max_position_embeddings = 512
+    model.save_pretrained(path)
+    servebench.word_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`metainfer serve --model folder --lowering aot_eager *args` on 127.0.0.1, started in `tmp`
+    (not the checkout: `python -m` puts the working directory first on sys.path, where kernels/
+    would shadow the `kernels` package transformers imports) and waited for until /ready."""
+
+    def __init__(self, folder, tmp, *args: str, key: str | None = None, ready_timeout_s: float = 600):
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        self.key = key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(tmp, "server.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "metainfer", "serve", "--model", str(folder), "--port", str(self.port),
+             "--lowering", "aot_eager", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=tmp)
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited: {self.tail()}"
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server was not ready in {ready_timeout_s:g} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def headers(self, key: str | None = "default") -> dict:
+        key = self.key if key == "default" else key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def post(self, path: str, body, key: str | None = "default", **kw):
+        import json
+
+        import httpx
+
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=content, headers=self.headers(key), timeout=120, **kw)
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory (Linux /proc)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def stop(self, timeout_s: float = 60) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout_s)

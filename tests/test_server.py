@@ -7,11 +7,7 @@ Expected tokens come from `opt.generate_batch` in this process (greedy), not fro
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,79 +19,22 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from metainfer.testing import ServerProcess, tiny_model_folder
+
 KEY = "test-key"
 MAX_RUNNING, MAX_QUEUE = 2, 2
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [40]]
 
 
-def _tiny_model_folder(path):
-    """The benchmark's hf-llama-tiny (random weights, max 512 positions) and its word tokenizer
-    (with a chat template), saved as a Hugging Face model folder."""
-    from metainfer import servebench
-
-    model = servebench.build_model("hf-llama-tiny")
-    model.config.max_position_embeddings = 512
-    model.save_pretrained(path)
-    servebench.word_tokenizer(model.config.vocab_size).save_pretrained(path)
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, folder, tmp):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / "server.log", "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "metainfer", "serve", "--model", str(folder), "--port", str(self.port),
-             "--api-key", KEY, "--lowering", "aot_eager", "--max-running", str(MAX_RUNNING),
-             "--max-queue", str(MAX_QUEUE), "--num-blocks", "64", "--grace", "20"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            cwd=tmp)  # not the checkout: `python -m` puts the working directory first on sys.path, where
-        # kernels/ would shadow the `kernels` package transformers imports
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited: {self.tail()}"
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the server was not ready in 600 s: {self.tail()}")
-
-    def tail(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=120, **kw)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return _tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    s = Server(folder, tmp_path_factory.mktemp("server"))
+    s = ServerProcess(folder, tmp_path_factory.mktemp("server"), "--api-key", KEY, "--max-running", str(MAX_RUNNING),
+                      "--max-queue", str(MAX_QUEUE), "--num-blocks", "64", "--grace", "20", key=KEY)
     yield s
     if s.proc.poll() is None:
         s.proc.send_signal(signal.SIGTERM)
@@ -411,17 +350,3 @@ def test_admission_hands_slots_in_order_and_refuses_past_the_queue():
         assert adm.running == 0
 
     asyncio.run(scenario())
-
-
-def test_a_greedy_server_refuses_sampling_and_defaults_to_greedy():
-    from metainfer.server import protocol
-
-    info = protocol.ModelInfo(name="m", vocab_size=16, max_positions=64, sampling=False)
-    req = protocol.parse({"model": "m", "prompt": [1, 2]}, "completion", info)
-    assert req.greedy and req.temperature == 0
-    for extra, param in (({"temperature": 0.7}, "temperature"), ({"top_k": 5}, "top_k")):
-        with pytest.raises(protocol.APIError) as e:
-            protocol.parse({"model": "m", "prompt": [1, 2], **extra}, "completion", info)
-        assert e.value.status == 400 and e.value.param == param
-    sampled = protocol.parse({"model": "m", "prompt": [1]}, "completion", protocol.ModelInfo("m", 16, 64))
-    assert sampled.temperature == 1.0 and not sampled.greedy  # OpenAI's default where the engine samples

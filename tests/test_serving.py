@@ -113,6 +113,29 @@ def test_the_streaming_manager():
     assert model.config._attn_implementation == original
 
 
+def test_a_sampling_manager_draws_with_metainfers_sampler():
+    """A sampling engine takes metainfer's sampler: a request at temperature 0, or with top-k 1,
+    gets the plain greedy engine's tokens; one that samples gets tokens of the vocabulary."""
+    from metainfer.runtime.sampling import Sampler
+
+    model = tiny_hf_model("Llama", layers=1)
+    reqs = prompts((9, 20, 4))
+    plain = model.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager", serve_compile="always")
+    sampled = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.9, max_new_tokens=6, eos_token_id=-1,
+                               pad_token_id=0)
+    with opt.init_continuous_batching(generation_config=sampled,
+                                      continuous_batching_config=ContinuousBatchingConfig(**SMALL)) as manager:
+        assert isinstance(manager.logit_processor, Sampler)
+        greedy = [manager.add_request(r, temperature=0.0) for r in reqs]
+        top1 = [manager.add_request(r, top_k=1) for r in reqs]
+        drawn = [manager.add_request(r) for r in reqs]  # the config's temperature and top-p
+        got = finished(manager, greedy + top1 + drawn)
+    assert got[:3] == tokens(plain) and got[3:6] == tokens(plain)
+    assert all(len(t) == 6 and all(0 <= i < model.config.vocab_size for i in t) for t in got[6:])
+    assert any("sampling by metainfer's sampler" in n for n in opt.report.notes)
+
+
 def test_capacity_comes_from_the_target_the_machine_and_the_workload():
     model = tiny_hf_model("Llama", layers=1)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")

@@ -33,6 +33,7 @@ kernel too; layers of other kinds (chunked, linear attention) run the engine's o
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import types
@@ -516,6 +517,7 @@ class Manager:
         except BaseException:
             self._attention.__exit__(None, None, None)
             raise
+        self._sample_in_metainfer(cfg)
         self._deliver_cancellations()
 
     def start(self) -> None:
@@ -564,6 +566,22 @@ class Manager:
             raise ValueError("requests refused, none queued: " + "; ".join(f"input {i}: {why}" for i, why in bad))
         self._admitted += sum(len(p) for p in inputs)
         return self._manager.add_requests(inputs, max_new_tokens=max_new_tokens, **kwargs)
+
+    def _sample_in_metainfer(self, cfg) -> None:
+        """A sampling engine whose processors are only temperature, top-k and top-p samples with
+        metainfer.runtime.sampling.Sampler (greedy rows an argmax, no vocabulary sort unless a
+        row asks for top-p alone), the engine then taking the argmax of what it drew."""
+        from metainfer.runtime import sampling  # transformers' processor classes: loaded when an engine is made
+
+        manager = self._manager
+        sampler = sampling.Sampler.replacing(manager.generation_config, manager.logit_processor)
+        if sampler is None or cfg.return_logprobs:  # the engine's log-probabilities would read the drawn rows
+            return
+        manager.logit_processor = sampler
+        manager.generation_config = copy.copy(manager.generation_config)
+        manager.generation_config.do_sample = False
+        _note(self._opt, f"serving: sampling by metainfer's sampler, {sampler.defaults} unless a request sets its own "
+                         "(greedy rows an argmax; the engine's processors sort the vocabulary twice per row)")
 
     def _deliver_cancellations(self) -> None:
         """The engine drops a cancelled request without a word (transformers 5.25: the scheduler frees

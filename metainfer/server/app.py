@@ -196,7 +196,7 @@ def _sse(obj: dict) -> str:
 
 def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_running: int = 64, max_queue: int = 256, request_timeout: float = 600.0, grace: float = 30.0,
-        cb_config=None, log_level: str = "info", sampling: bool = True) -> None:
+        cb_config=None, log_level: str = "info") -> None:
     """Serve `opt` (an OptimizedModel of a transformers causal LM) until SIGTERM or SIGINT: then
     stop accepting, give in-flight requests `grace` seconds to finish, cancel the rest, stop the
     engine, return."""
@@ -204,7 +204,7 @@ def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api
 
     metrics = Metrics()
     engine = Engine(opt, max_running=max_running, max_queue=max_queue, request_timeout=request_timeout,
-                    metrics=metrics, cb_config=cb_config, sampling=sampling)
+                    metrics=metrics, cb_config=cb_config)
     app = build_app(engine, model, metrics, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace,
                             access_log=False)

@@ -7,10 +7,10 @@ asyncio queue of its own (the engine's result handlers, delivered on the loop), 
 whose consumer goes away (a client disconnect, a timeout, shutdown) is cancelled in the engine,
 which frees its KV blocks.
 
-Sampling: the engine samples (do_sample) with per-request processors, so each request brings its
-own temperature, top-k and top-p; a greedy request is top-k 1 (the argmax). A request's seed
-seeds torch's generator as it is admitted: the engine shares one generator across the batch, so
-a seed is best effort, as in OpenAI's API.
+Sampling: the engine draws with metainfer's Sampler (metainfer.runtime.sampling), each request
+with its own temperature (0: greedy, an argmax), top-k and top-p. A request's seed seeds
+torch's generator as it is admitted: the engine shares one generator across the batch, so a
+seed is best effort, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -81,23 +81,21 @@ class Admission:
 
 class Engine:
     def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
-                 cb_config=None, sampling: bool = True):
-        from transformers import ContinuousBatchingConfig, GenerationConfig
+                 cb_config=None):
+        from transformers import GenerationConfig
+
+        from metainfer.runtime.sampling import Sampler
 
         self.opt, self.metrics, self.request_timeout = opt, metrics, request_timeout
         model = opt.model
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        # sampling: every sampling processor exists, so each request can set its own (the values
-        # here are never used: every request passes all three). They sort the vocabulary at every
-        # step, greedy rows included (measured: 1.8x the greedy engine's time on the benchmark
-        # workload), so a server that only decodes greedily runs a greedy engine (sampling=False)
-        self.sampling = sampling
-        gen = GenerationConfig(do_sample=sampling, temperature=0.5 if sampling else None, top_k=1 if sampling else None,
-                               top_p=0.5 if sampling else None, max_new_tokens=16, eos_token_id=eos,
+        # a sampling config with no processors of its own: the engine samples with metainfer's
+        # Sampler, each request passing its own temperature (0: greedy), top-k and top-p
+        gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, eos_token_id=eos,
                                pad_token_id=getattr(model.config, "pad_token_id", None))
-        cb = cb_config if cb_config is not None else ContinuousBatchingConfig()
-        cb.per_request_processors = sampling
-        self.manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
+        if not isinstance(self.manager.logit_processor, Sampler):
+            raise RuntimeError(f"the engine did not take metainfer's sampler (it has {self.manager.logit_processor!r})")
         self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.admission = Admission(max_running, max_queue)
         self._fed_back = 0  # generated tokens fed back as inputs (all but each request's last)
@@ -138,9 +136,7 @@ class Engine:
             self.manager.register_result_handler(rid, outputs.put_nowait)
             if req.seed is not None:
                 torch.manual_seed(req.seed)
-            sampling = ({} if not self.sampling else {"temperature": 1.0, "top_k": 1, "top_p": 1.0} if req.greedy else
-                        {"temperature": float(req.temperature), "top_p": float(req.top_p),
-                         "top_k": req.top_k if req.top_k > 0 else self.opt.model.config.vocab_size})
+            sampling = {"temperature": float(req.temperature), "top_p": float(req.top_p), "top_k": int(req.top_k)}
             stops = sorted(set(self.eos) | set(req.stop_token_ids)) or [-1]
             try:
                 self.manager.add_request(req.prompt_ids, request_id=rid, max_new_tokens=req.max_tokens, streaming=True,

@@ -55,10 +55,6 @@ class GenerationRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
 
 @dataclass
 class ModelInfo:
@@ -68,7 +64,6 @@ class ModelInfo:
     vocab_size: int
     max_positions: int | None  # None: no limit the config states
     tokenizer: Any = None  # a transformers tokenizer, or None: token ids in and out only
-    sampling: bool = True  # False: the engine decodes greedily (temperature defaults to 0, > 0 refused)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -114,13 +109,9 @@ def parse(body: dict, kind: str, model: ModelInfo) -> GenerationRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise bad("seed", "seed must be a non-negative integer")
-    temperature = _number(body, "temperature", 1.0 if model.sampling else 0.0, lo=0.0, hi=2.0)
-    if not model.sampling and (temperature > 0 or body.get("top_k") not in (None, 1)):
-        raise bad("temperature" if temperature > 0 else "top_k",
-                  "this server decodes greedily (started with --greedy): leave out temperature or pass 0")
     return GenerationRequest(
         kind=kind, prompt_ids=prompt, max_tokens=max_tokens,
-        temperature=temperature,
+        temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, open_lo=True),
         top_k=_number(body, "top_k", -1, lo=-1, hi=model.vocab_size, integer=True),
         seed=seed, stop_token_ids=_stop_ids(body, model), stream=stream,

@@ -232,7 +232,7 @@ def test_metrics_count_what_happened(server):
     assert m['metainfer_requests_total{endpoint="/v1/completions",status="ok"}'] >= 6
     assert m["metainfer_time_to_first_token_seconds_count"] >= 6
     assert m["metainfer_prompt_tokens_total"] > 0 and m["metainfer_generation_tokens_total"] > 0
-    assert m['metainfer_kv_blocks{state="free"}'] == 64 and m["metainfer_graphs_compiled"] >= 1
+    assert m['metainfer_kv_blocks{state="free"}'] + m['metainfer_kv_blocks{state="cached"}'] == 64 and m["metainfer_graphs_compiled"] >= 1
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
@@ -350,3 +350,23 @@ def test_admission_hands_slots_in_order_and_refuses_past_the_queue():
         assert adm.running == 0
 
     asyncio.run(scenario())
+
+
+def test_streamed_text_deltas_add_up_to_the_whole_text():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from metainfer import servebench
+    from metainfer.server import protocol
+
+    info = protocol.ModelInfo("m", 64, None, tokenizer=servebench.word_tokenizer(64))
+
+    @settings(max_examples=40, deadline=None)
+    @given(ids=st.lists(st.integers(0, 63), min_size=1, max_size=30), cuts=st.lists(st.integers(1, 30), max_size=8))
+    def check(ids, cuts):
+        detok = protocol.Detokenizer(info)
+        ends = sorted({min(c, len(ids)) for c in cuts} | {len(ids)})
+        text = "".join(detok.delta(ids[:end], final=end == len(ids)) for end in ends)
+        assert text == protocol.text_of(info, ids)
+
+    check()

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 REQUESTS, CLIENTS, SEED = 500, 64, 7
 DISCONNECT, MALFORMED = 0.10, 0.05
-MAX_NEW, VOCAB, BLOCKS = 24, 128, 256
+MAX_NEW, VOCAB, BLOCKS = 64, 128, 256
 WARM_UP = 100  # requests answered before the first memory reading
 
 
@@ -55,7 +55,7 @@ def plan(model: str) -> list[dict]:
             out.append({"i": i, "kind": "malformed", "body": body, "status": status})
             continue
         prompt = (rng.choice(prefixes) if rng.random() < 0.5 else []) + [rng.randrange(3, VOCAB)
-                                                                       for _ in range(rng.randint(1, 40))]
+                                                                       for _ in range(rng.randint(1, 200))]
         if r < MALFORMED + DISCONNECT:  # long enough to still be running when the client goes away
             body = {"model": model, "prompt": prompt, "max_tokens": 300, "temperature": 0, "stream": True}
             out.append({"i": i, "kind": "disconnect", "body": body, "prompt": prompt})
@@ -174,14 +174,16 @@ def test_soak(tmp_path):
             "duplicate_ids": len(response_ids) - len(set(response_ids)),
             "server_counts": {k: int(v) for k, v in counted.items() if v},
             "kv_blocks_used_at_end": after['metainfer_kv_blocks{state="used"}'],
+            "kv_blocks_cached_at_end": after['metainfer_kv_blocks{state="cached"}'],
             "running_at_end": after["metainfer_requests_running"], "queued_at_end": after["metainfer_requests_queued"],
             "rss_mb_after_warm_up": round(rss[0] / 2**20, 1), "rss_mb_at_end": round(rss[-1] / 2**20, 1),
         }
         print("\nsoak: " + json.dumps(figures))
         assert not lost and not wrong_status and not mismatched, figures
         assert figures["duplicate_ids"] == 0
-        assert counted.get("ok", 0) == kinds["good"]
-        assert counted.get("cancelled", 0) == kinds["disconnect"]
+        # a client that goes away is cancelled, unless its request ended (at EOS) first
+        assert counted.get("ok", 0) + counted.get("cancelled", 0) == kinds["good"] + kinds["disconnect"]
+        assert counted.get("cancelled", 0) <= kinds["disconnect"]
         assert sum(v for k, v in counted.items() if k not in ("ok", "cancelled")) == kinds["malformed"]
         assert figures["kv_blocks_used_at_end"] == 0 and figures["running_at_end"] == 0 and figures["queued_at_end"] == 0
         # flat: after warm-up the server grows by less than a tenth (allocator slack, graph caches)

@@ -181,20 +181,24 @@ class Engine:
         m.running.set_function(lambda: self.admission.running)
         m.queued.set_function(lambda: len(self.admission.waiting))
         m.graphs.set_function(lambda: len(self.opt.report.sections))
-        m.kv_blocks.labels("used").set_function(lambda: self._blocks()[0])
-        m.kv_blocks.labels("free").set_function(lambda: self._blocks()[1])
+        for i, state in enumerate(("used", "cached", "free")):
+            m.kv_blocks.labels(state).set_function(lambda i=i: self._blocks()[i])
         m.prefix_hit.set_function(self._prefix_hit)
 
-    def _blocks(self) -> tuple[float, float]:
+    def _blocks(self) -> tuple[float, float, float]:
+        """KV pool blocks (the pool's blocks of every layer group) held by requests, kept after their
+        request ended for prefix reuse (taken back when the pool needs them), and free."""
         processor = getattr(self.manager, "batch_processor", None)
         cache = getattr(processor, "cache", None)
         if cache is None:
-            return 0.0, float(self.manager.capacity.num_blocks)
+            return 0.0, 0.0, float(self.manager.capacity.num_blocks)
         total = cache.num_blocks
         with contextlib.suppress(Exception):  # read while the engine thread changes it: a scrape may miss
-            free = round(cache.compute_free_capacity(relative=True) * total)
-            return float(total - free), float(free)
-        return 0.0, float(total)
+            pool = cache.num_sectors * cache.bytes_per_sector
+            cached = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
+            free = cache.compute_free_capacity(relative=False)
+            return tuple(float(round(b / pool * total)) for b in (pool - free - cached, cached, free))
+        return 0.0, 0.0, float(total)
 
     def _prefix_hit(self) -> float:
         steps = getattr(self.manager, "steps", None)

@@ -22,7 +22,8 @@ class Metrics:
                               buckets=_BUCKETS, registry=r)
         self.prompt_tokens = Counter("metainfer_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("metainfer_generation_tokens", "Tokens generated", registry=r)
-        self.kv_blocks = Gauge("metainfer_kv_blocks", "KV pool blocks by state", ["state"], registry=r)
+        self.kv_blocks = Gauge("metainfer_kv_blocks", "KV pool blocks: used by requests, cached (prefix blocks kept "
+                               "for reuse, taken back when needed) and free", ["state"], registry=r)
         self.prefix_hit = Gauge("metainfer_prefix_cache_hit_ratio",
                                 "Share of admitted prompt tokens the engine did not compute (cached prefix blocks)",
                                 registry=r)

@@ -243,17 +243,22 @@ def _id(req: GenerationRequest) -> str:
 
 
 class Detokenizer:
-    """The text of a growing token list, handed out as deltas; a delta that would end inside a
-    multi-byte character (decoded as U+FFFD) waits for the next token."""
+    """The text of a growing token list, handed out as deltas, decoding a window of a few tokens
+    per step (not the whole text again): the tokens since the last delta, after the ones before
+    it as context (so a tokenizer's word joins come out as in the whole text). A delta that
+    would end inside a multi-byte character (decoded as U+FFFD) waits for the next token."""
 
     def __init__(self, model: ModelInfo):
-        self.model, self.sent = model, ""
+        self.model = model
+        self.context = 0  # ids[context:sent]: decoded with the new ones so their joins are right
+        self.sent = 0  # ids handed out as text
 
     def delta(self, ids: list[int], final: bool = False) -> str:
-        if self.model.tokenizer is None:
+        if self.model.tokenizer is None or len(ids) <= self.sent:
             return ""
-        text = text_of(self.model, ids)
-        if (text.endswith("\ufffd") and not final) or not text.startswith(self.sent):
+        before = text_of(self.model, ids[self.context:self.sent])
+        after = text_of(self.model, ids[self.context:])
+        if (after.endswith("\ufffd") and not final) or len(after) <= len(before) or not after.startswith(before):
             return ""
-        new, self.sent = text[len(self.sent):], text
-        return new
+        self.context, self.sent = self.sent, len(ids)
+        return after[len(before):]

@@ -120,6 +120,17 @@ def _break_text(reason: str) -> str:
     return f"{head} ({detail})" if detail else head
 
 
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A deep copy of a Dynamo graph that AOTAutograd can compile again: with the input sources
+    Dynamo set on its placeholders (`_dynamo_source`, which a deep copy drops and AOTAutograd
+    asks for when the graph's parameters came in as inputs)."""
+    fresh = copy.deepcopy(gm)
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), fresh.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return fresh
+
+
 class MetainferBackend:
     """A Dynamo backend bound to one target, pipeline and report."""
 
@@ -176,7 +187,7 @@ class MetainferBackend:
                                recompile_reasons=recompiled_because[:4],
                                cuda_graphs=uses_cuda_graphs(self.target, self.lowering, self.cuda_graphs,
                                                             self.replayable))
-        original = copy.deepcopy(gm) if self.capture else None
+        original = copy_graph(gm) if self.capture else None
         t0 = time.perf_counter()
         with symm_mem.owned_by(self):  # symmetric buffers the passes reserve live as long as this model
             compiled = compile_graph(gm, example_inputs, self.passes, self.target, disabled=self.disabled,

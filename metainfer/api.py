@@ -90,6 +90,24 @@ class CallTimes:
         self.deliver(wait=True)
 
 
+RECOMPILE_LIMIT = 64  # Dynamo's per-code-object limit optimize() raises torch's to, at least
+
+
+def _own_entry(forward):
+    """`forward` called from a function whose code object is new, so its compiled graphs have a
+    Dynamo cache of their own. Dynamo keeps graphs, and counts recompiles against its limit, per
+    code object; a model's forward shares its code with every instance of its class (and, behind
+    Hugging Face's decorators, with every model class), so each optimize() of another model
+    added entries to one cache: a process that optimized a few dozen models hit the limit and
+    its next model was never handed to metainfer (found by bench/fuzz.py)."""
+
+    def entry(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace()  # an equal but distinct code object
+    return entry
+
+
 class OptimizedModel:
     """The optimized callable: same call signature and outputs as the model; `.report` says
     what metainfer did. `generate()` runs the model's own generate() (Hugging Face, or a
@@ -101,9 +119,9 @@ class OptimizedModel:
         self.model = model
         self._backend = backend
         self._forward = model.forward  # bound; what the compiled graphs compute
-        self._compiled = torch.compile(self._forward, backend=backend, dynamic=dynamic)
+        self._compiled = torch.compile(_own_entry(self._forward), backend=backend, dynamic=dynamic)
         # a serving engine's packed steps change size every step: symbolic from the first one
-        self._compiled_packed = torch.compile(self._forward, backend=backend, dynamic=True)
+        self._compiled_packed = torch.compile(_own_entry(self._forward), backend=backend, dynamic=True)
         self._serve_compile = ServingCompile(self, serve_compile)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
@@ -377,10 +395,10 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     backend = MetainferBackend(target, chosen, disabled, explicit=explicit, lowering=lowering,
                                options=pass_options, capture=capture, cache_dir=cache_dir,
                                report=Report(target, [p.name for p in chosen]))
-    # Each optimize() is a new backend, hence new Dynamo cache entries for the model's
-    # forward; allow more than the default 8 so a process can optimize many models.
+    # recompiles of one optimized model (its own cache: _own_entry): generate() and serving
+    # meet several shapes and masks
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile)
 
 

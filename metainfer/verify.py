@@ -110,11 +110,13 @@ def _fakes(inputs) -> list:
 
 def _fresh_copy(gm):
     """A copy without the captured run's fake values (their unbacked sizes belong to that run)."""
-    gm = copy.deepcopy(gm)
-    for n in gm.graph.nodes:
+    from metainfer.lowering.backend import copy_graph
+
+    fresh = copy_graph(gm)
+    for n in fresh.graph.nodes:
         for key in ("val", "example_value", "unbacked_bindings"):
             n.meta.pop(key, None)
-    return gm
+    return fresh
 
 
 def bisect_captured(backend) -> BisectResult:

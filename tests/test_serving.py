@@ -199,7 +199,7 @@ def test_serving_compiles_once_it_pays(tmp_path, monkeypatch):
     always.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     auto = metainfer.optimize(model, "cpu", lowering="aot_eager", cache_dir=tmp_path)
     seconds, source = auto._serve_compile.predicted_compile_seconds()
-    assert source.startswith("measured") and 0 < seconds < 60
+    assert source.startswith("measured") and seconds > 0
     monkeypatch.setattr(serve_compile, "BUDGET", 1e6)  # every compile pays: the switch after the first step
     out = auto.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     assert tokens(out) == plain

@@ -17,7 +17,10 @@ and nothing hangs.
 - Two clocks. Starting the ranks (spawning, importing torch, the rendezvous) has its own
   budget, `start_timeout_s`: on a loaded machine that alone can take tens of seconds. The
   run's `timeout_s` is counted from the moment every rank has its process group, the point
-  from which `fn` runs, so it measures `fn` and not the machine's load.
+  from which `fn` runs, so it measures `fn` and not the machine's start-up. Both budgets are
+  of an unloaded machine's time: while the 1-minute load average is above the number of cores,
+  their clocks run slower by cores / load (measured as the run goes), so a machine busy with
+  other jobs stretches them instead of failing a run that is only slow; a hang still ends, later.
 - A rank that raises writes its error to the store; every other rank's watchdog sees it and
   exits with "rank R failed: ...", and `run` raises `RankFailure` naming the first failed
   rank and its traceback. A rank that is killed (no chance to write) is named by its exit
@@ -49,16 +52,22 @@ READY_KEY = "metainfer/ready"  # ranks whose process group is up: fn runs from h
 
 class RankFailure(RuntimeError):
     """A rank of a multi-rank run failed, was killed or timed out. `after_start_s` is how long
-    after the ranks' rendezvous it happened (None: before the rendezvous completed)."""
+    after the ranks' rendezvous it happened (None: before the rendezvous completed); `reports`
+    says how each rank ended, one line each."""
 
-    def __init__(self, message: str, rank: int | None = None, after_start_s: float | None = None):
+    def __init__(self, message: str, rank: int | None = None, after_start_s: float | None = None,
+                 reports: dict[int, str] | None = None):
         super().__init__(message)
         self.rank = rank
         self.after_start_s = after_start_s
+        self.reports = reports or {}
 
 
-def _watchdog(store, rank: int, poll_s: float) -> None:
-    """Exit this rank as soon as another rank has reported a failure."""
+def _watchdog(store, rank: int, poll_s: float, stack_file) -> None:
+    """Exit this rank as soon as another rank has reported a failure, leaving where this one
+    was (its stacks) for the caller's report."""
+    import faulthandler
+
     while True:
         time.sleep(poll_s)
         try:
@@ -67,6 +76,8 @@ def _watchdog(store, rank: int, poll_s: float) -> None:
                 if not who.startswith(f"{rank}:"):
                     print(f"metainfer: rank {rank} exiting: rank {who.split(':', 1)[0]} failed "
                           f"({who.split(':', 1)[1][:200]})", flush=True)
+                    faulthandler.dump_traceback(file=stack_file, all_threads=True)
+                    stack_file.flush()
                     os._exit(3)
         except Exception:  # the store is gone: the caller is tearing the run down
             os._exit(4)
@@ -82,12 +93,21 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
     import torch.distributed as dist
 
     stack_file = open(stacks, "w")  # noqa: SIM115 - open for the process's life: a hang's stacks land here
+    try:  # tqdm's first bar (torch.fx's interpreter makes one) creates a multiprocessing lock, a named
+        # semaphore in /dev/shm that a rank killed or ended by the watchdog never removes; a rank's
+        # bars need only a thread lock
+        import tqdm
+
+        tqdm.tqdm.set_lock(threading.RLock())
+    except ImportError:
+        pass
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a crash (gloo's abort on a mismatch) says where
 
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s))
     watch = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)  # its own connection
-    threading.Thread(target=_watchdog, args=(watch, rank, 0.2), daemon=True).start()
+    threading.Thread(target=_watchdog, args=(watch, rank, 0.2, stack_file), daemon=True).start()
     try:
         # every rank waits for the slowest to import, so the process group's connections
         # (bounded by the collective timeout) are made by ranks that are all there
@@ -97,18 +117,16 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         store.add(READY_KEY, 1)
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", pickle.dumps(out)))
+        results.send((rank, "ok", pickle.dumps(out)))
         results.close()
-        results.join_thread()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises is reported
         tb = traceback.format_exc()
         try:
             store.compare_set(FAILED_KEY, "", f"{rank}:{type(e).__name__}: {e}")
         except Exception:
             pass
-        results.put((rank, "error", tb))
+        results.send((rank, "error", tb))  # the traceback reaches the caller before this process ends
         results.close()
-        results.join_thread()  # the traceback reaches the caller before this process ends
         os._exit(1)
     try:
         dist.destroy_process_group()
@@ -149,50 +167,61 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s + timeout_s))
-    results = ctx.Queue()
+    # a pipe per rank for its result (a Queue's locks are named semaphores in /dev/shm, which a
+    # run whose ranks are killed left behind)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    results = [reader for reader, _ in pipes]
     stacks = tempfile.mkdtemp(prefix="metainfer-ranks-")
     procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, args, collective_timeout_s or timeout_s,
-                                              start_timeout_s, backend, results, os.path.join(stacks, f"rank{r}.txt"),
+                                              start_timeout_s, backend, pipes[r][1], os.path.join(stacks, f"rank{r}.txt"),
                                               dict(os.environ)),
                          daemon=True)
              for r in range(world_size)]
     spawned = time.monotonic()
     for p in procs:
         p.start()
+    for _, writer in pipes:
+        writer.close()  # the ranks hold theirs: a rank that dies closes its end, and its reader sees it
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     started: float | None = None  # when every rank had its process group
+    clock, last = 0.0, spawned  # budget seconds used (of an unloaded machine's time, _clock_rate)
     go = False
     ok = False
     try:
         while len(out) < world_size:
             _drain(results, out, errors)
             now = time.monotonic()
+            clock, last = clock + (now - last) * _clock_rate(), now
             if started is None:
                 if not go and store.add(ARRIVED_KEY, 0) == world_size:
                     store.set(GO_KEY, "1")
                     go = True
                 if store.add(READY_KEY, 0) == world_size:
-                    started = now
+                    started, clock = now, 0.0
             since = None if started is None else now - started
             dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
             if errors or dead:
                 time.sleep(1.0)  # let the others report: the first cause is among them
                 _drain(results, out, errors)
                 dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                raise _failure(errors, dead, store, since)
+                failure = _failure(errors, dead, store, since)
+                failure.reports = _reports(procs, out, errors, stacks)
+                raise _absent_peers(failure)
             if started is None:
-                if now - spawned > start_timeout_s:
+                if clock > start_timeout_s:
                     arrived = store.add(ARRIVED_KEY, 0)
                     raise RankFailure(f"the ranks did not start within {start_timeout_s:g} s: {arrived} of {world_size} "
                                       f"reached the rendezvous, {store.add(READY_KEY, 0)} started their process group "
                                       "(an overloaded machine, or a rank stuck while importing)")
-            elif since > timeout_s:
+            elif clock > timeout_s:
                 running = [r for r, p in enumerate(procs) if p.is_alive() and r not in out]
+                reports = _reports(procs, out, errors, stacks)
                 raise RankFailure(f"timed out after {timeout_s:g} s (counted from the ranks' rendezvous, "
-                                  f"{started - spawned:.1f} s after they were spawned); rank(s) {running} still "
+                                  f"{started - spawned:.1f} s after they were spawned; {since:.0f} s of wall time "
+                                  f"with the load average counted); rank(s) {running} still "
                                   f"running ({len(out)} of {world_size} finished){_stacks(procs, running, stacks)}",
-                                  rank=running[0] if running else None, after_start_s=since)
+                                  rank=running[0] if running else None, after_start_s=since, reports=reports)
             time.sleep(0.05)
         ok = True
         return [out[r] for r in range(world_size)]
@@ -202,10 +231,81 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        results.close()
-        results.join_thread()
+        for reader in results:
+            reader.close()
         shutil.rmtree(stacks, ignore_errors=True)
         del store
+
+
+def _reports(procs, out: dict, errors: dict, folder: str) -> dict[int, str]:
+    """How each rank ended, one line each: its error's last line, or its exit and where it was
+    (the stacks it left: a crash, or the watchdog's exit), or still running."""
+    said = {0: "finished", 1: "failed", 3: "left when the watchdog saw another rank's failure",
+            4: "left when the run's store closed"}
+    reports = {}
+    for r, p in enumerate(procs):
+        if r in errors:
+            lines = [line for line in errors[r].strip().splitlines() if line.strip()]
+            reports[r] = "raised " + (lines[-1].strip() if lines else "?")
+            continue
+        if r in out:
+            reports[r] = "returned"
+            continue
+        if p.exitcode is None:
+            reports[r] = "still running (killed by the harness)"
+        elif p.exitcode < 0:
+            reports[r] = f"killed by signal {-p.exitcode}"
+        else:
+            reports[r] = f"exit status {p.exitcode}: {said.get(p.exitcode, '?')}"
+        where = _where(folder, r)
+        if where:
+            reports[r] += f", at {where}"
+    return reports
+
+
+_IN_A_COLLECTIVE = ("distributed_c10d", "_functional_collectives", "wait_tensor", "_c10d")
+
+
+def _absent_peers(failure: RankFailure) -> RankFailure:
+    """A rank whose collective timed out waited for a peer that never came: where the other
+    ranks were away from any collective when it happened, name them (the run's cause) instead."""
+    if "Timed out" not in str(failure) and "timed out" not in str(failure).lower():
+        return failure
+    away = sorted(r for r, line in failure.reports.items()
+                  if ", at File" in line and not any(k in line for k in _IN_A_COLLECTIVE))
+    if not away or failure.rank in away:
+        return failure
+    where = "; ".join(f"rank {r} was at {failure.reports[r].split(', at ', 1)[1]}" for r in away)
+    return RankFailure(f"rank(s) {away} did not join the collective rank {failure.rank} timed out in ({where})\n"
+                       f"{failure}", rank=away[0], after_start_s=failure.after_start_s, reports=failure.reports)
+
+
+def _where(folder: str, rank: int) -> str:
+    """The innermost frames of the main thread in the stacks a rank left, innermost first."""
+    try:
+        with open(os.path.join(folder, f"rank{rank}.txt")) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    # faulthandler's dumps: a block per thread; the watchdog's own thread is not where the rank was,
+    # nor a thread with no Python frames (a C++ thread that aborted)
+    blocks = [b for b in text.split("\n\n") if "File" in b and "_watchdog" not in b]
+    if not blocks:
+        return ""
+    main = next((b for b in reversed(blocks) if b.lstrip().startswith("Current thread")), blocks[-1])
+    frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File")][:4]
+    return " <- ".join(frames)
+
+
+def _clock_rate() -> float:
+    """How fast a run's budget clock runs now: 1 on a machine with a core per runnable task,
+    cores / load when the 1-minute load average is higher."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    cores = os.cpu_count() or 1
+    return 1.0 if load <= cores else cores / load
 
 
 def _stacks(procs, running: list[int], folder: str) -> str:
@@ -231,9 +331,15 @@ def _stacks(procs, running: list[int], folder: str) -> str:
     return ("\n" + "\n".join(out)) if out else ""
 
 
-def _drain(results, out: dict, errors: dict) -> None:
-    while not results.empty():
-        rank, status, payload = results.get()
+def _drain(results: list, out: dict, errors: dict) -> None:
+    from multiprocessing.connection import wait
+
+    for reader in wait([r for r in results if not r.closed], timeout=0):
+        try:
+            rank, status, payload = reader.recv()
+        except (EOFError, OSError):  # the rank ended without a result (killed): its exit status tells
+            reader.close()
+            continue
         if status == "ok":
             out[rank] = pickle.loads(payload)
         else:
@@ -246,7 +352,9 @@ def _failure(errors: dict[int, str], dead: dict[int, int], store, since: float |
     killed = sorted(r for r, code in dead.items() if code < 0)
     if killed:
         r = killed[0]
-        return RankFailure(f"rank {r} was killed (signal {-dead[r]}); the other ranks then failed", rank=r,
+        why = (" (SIGABRT: gloo aborts a rank on a collective mismatch, e.g. sizes that differ between ranks)"
+               if -dead[r] == signal.SIGABRT else "")
+        return RankFailure(f"rank {r} was killed (signal {-dead[r]}){why}; the other ranks then failed", rank=r,
                            after_start_s=since)
     first = None
     try:

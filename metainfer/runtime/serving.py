@@ -613,6 +613,19 @@ class Manager:
 
         manager._create_batch_processor = create
 
+    def kv_blocks(self) -> tuple[float, float, float]:
+        """The KV pool's blocks (of every layer group) held by requests, kept after their request
+        ended for prefix reuse (taken back when the pool needs them), and free; read while the
+        engine thread runs, so a reading may be a step old."""
+        cache = getattr(getattr(self._manager, "batch_processor", None), "cache", None)
+        if cache is None:  # not started
+            return 0.0, 0.0, float(self.capacity.num_blocks)
+        total = cache.num_blocks
+        pool = cache.num_sectors * cache.bytes_per_sector
+        cached = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
+        free = cache.compute_free_capacity(relative=False)
+        return tuple(float(round(b / pool * total)) for b in (pool - free - cached, cached, free))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
 

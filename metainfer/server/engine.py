@@ -186,19 +186,9 @@ class Engine:
         m.prefix_hit.set_function(self._prefix_hit)
 
     def _blocks(self) -> tuple[float, float, float]:
-        """KV pool blocks (the pool's blocks of every layer group) held by requests, kept after their
-        request ended for prefix reuse (taken back when the pool needs them), and free."""
-        processor = getattr(self.manager, "batch_processor", None)
-        cache = getattr(processor, "cache", None)
-        if cache is None:
-            return 0.0, 0.0, float(self.manager.capacity.num_blocks)
-        total = cache.num_blocks
-        with contextlib.suppress(Exception):  # read while the engine thread changes it: a scrape may miss
-            pool = cache.num_sectors * cache.bytes_per_sector
-            cached = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
-            free = cache.compute_free_capacity(relative=False)
-            return tuple(float(round(b / pool * total)) for b in (pool - free - cached, cached, free))
-        return 0.0, 0.0, float(total)
+        with contextlib.suppress(Exception):  # read while the engine thread changes the pool: a scrape may miss
+            return self.manager.kv_blocks()
+        return 0.0, 0.0, float(self.manager.capacity.num_blocks)
 
     def _prefix_hit(self) -> float:
         steps = getattr(self.manager, "steps", None)

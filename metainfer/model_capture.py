@@ -148,7 +148,9 @@ def _failing_module(model: torch.nn.Module, err: Exception) -> str | None:
     if not stack:
         return ""  # the model's own forward
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?", "", str(path))
+    # the model as the compiled function reaches it: `self` of its forward, or (metainfer's own
+    # entry, api._own_entry) the forward it calls
+    path = re.sub(r"^L\['(?:self|forward)'\](?:\.__self__)?\.?", "", str(path))
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
     try:

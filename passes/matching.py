@@ -173,7 +173,7 @@ def location(n: Node) -> str:
     stack = n.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
-        for prefix in ("L['self'].", "L['args'][0].", "L['mod'].", "L['model']."):
+        for prefix in ("L['self'].", "L['forward'].__self__.", "L['args'][0].", "L['mod'].", "L['model']."):
             if path.startswith(prefix):
                 return path[len(prefix):]
         return path

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,7 @@ import time
 import httpx
 
 from metainfer import loadgen, servebench
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from metainfer.testing import free_port
 
 
 def _start(cmd: list[str], url: str, ready: str, log_path: str, timeout_s: float = 900) -> subprocess.Popen:
@@ -159,7 +153,7 @@ def main() -> None:
         servebench.build_model(a.model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         if "metainfer" not in a.skip:
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
                            "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))],
@@ -169,7 +163,7 @@ def main() -> None:
             finally:
                 _stop(proc)
         if "transformers" not in a.skip:
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start(["transformers", "serve", folder, "--continuous-batching", "--port", str(port),
                            "--cb-num-blocks", str(a.num_blocks)], url, "/v1/models",

@@ -66,22 +66,20 @@ def never_joins(rank, world, folder):
         opt(ids)
 
 
-class _RaisingPass:
+def raising_pass(folder):
     """A pass that raises on rank 1 (what a bug in one rank's compile looks like)."""
+    from metainfer.passes import Pass, PassResult
 
-    def __new__(cls, folder):
-        from metainfer.passes import Pass, PassResult
+    class RaisesOnRank1(Pass):
+        name = "raises_on_rank_1"
 
-        class Raising(Pass):
-            name = "raises_on_rank_1"
+        def run(self, gm, ctx):
+            if dist.get_rank() == 1:
+                _mark(folder, 1)
+                raise RuntimeError("deliberate failure in a pass on rank 1")
+            return PassResult(modified=False)
 
-            def run(self, gm, ctx):
-                if dist.get_rank() == 1:
-                    _mark(folder, 1)
-                    raise RuntimeError("deliberate failure in a pass on rank 1")
-                return PassResult(modified=False)
-
-        return Raising()
+    return RaisesOnRank1()
 
 
 def raises_in_a_pass(rank, world, folder):
@@ -93,7 +91,7 @@ def raises_in_a_pass(rank, world, folder):
     from metainfer.passes.pipeline import default_pipeline
     from metainfer.hardware import targets
 
-    passes = list(default_pipeline(targets.get("pcie8"))) + [_RaisingPass(folder)]
+    passes = list(default_pipeline(targets.get("pcie8"))) + [raising_pass(folder)]
     opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
                              tensor_parallel=world, passes=passes)
     with torch.no_grad():

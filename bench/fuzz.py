@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import json
-import math
 import random
 import sys
 import time
@@ -259,7 +259,7 @@ def run(case: Case) -> Outcome:
     dtype = getattr(torch, case.dtype)
     try:
         model, ids, mask = build(case)
-        exact = _copy(model).double()
+        exact = copy.deepcopy(model).double()
         exact.config._experts_implementation = "eager"  # the grouped kernels take no float64
         model = model.to(dtype)
         kw = inputs(ids, mask)
@@ -286,8 +286,10 @@ def run(case: Case) -> Outcome:
                                    f"{e}", pass_name=e.pass_name, err_opt=err, err_eager=err_eager)
     except Exception as e:
         return Outcome("crash", _crash(e))
-    passes = dict(collections.Counter({r.name: 0 for r in opt.report.passes}) + collections.Counter(
-        {r.name: r.matches for r in opt.report.passes}))
+    passes = collections.Counter()
+    for r in opt.report.passes:  # every graph's record: matches summed per pass
+        passes[r.name] += r.matches
+    passes = {name: n for name, n in passes.items() if n}
     err = _err(out, ref64, keep)
     if err > bound:
         return Outcome("mismatch", f"forward: err {err:.3g} > bound {bound:.3g} (eager's err {err_eager:.3g})",
@@ -324,12 +326,6 @@ def _generate_mismatch(opt, model, exact, ids, mask, new: int = 4) -> str | None
             return (f"generate: row {row} token {at - ids.shape[1]}: eager {a}, metainfer {b}; float64 logits "
                     f"{gap:.3g} apart, more than the {allowed:.3g} eager's error ({eager_err:.3g}) allows")
     return None
-
-
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def _crash(e: BaseException) -> str:

@@ -216,12 +216,13 @@ def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 1
                                       "(an overloaded machine, or a rank stuck while importing)")
             elif clock > timeout_s:
                 running = [r for r, p in enumerate(procs) if p.is_alive() and r not in out]
-                reports = _reports(procs, out, errors, stacks)
+                where = _stacks(procs, running, stacks)
                 raise RankFailure(f"timed out after {timeout_s:g} s (counted from the ranks' rendezvous, "
                                   f"{started - spawned:.1f} s after they were spawned; {since:.0f} s of wall time "
                                   f"with the load average counted); rank(s) {running} still "
-                                  f"running ({len(out)} of {world_size} finished){_stacks(procs, running, stacks)}",
-                                  rank=running[0] if running else None, after_start_s=since, reports=reports)
+                                  f"running ({len(out)} of {world_size} finished){where}",
+                                  rank=running[0] if running else None, after_start_s=since,
+                                  reports=_reports(procs, out, errors, stacks))
             time.sleep(0.05)
         ok = True
         return [out[r] for r in range(world_size)]
@@ -280,8 +281,8 @@ def _absent_peers(failure: RankFailure) -> RankFailure:
                        f"{failure}", rank=away[0], after_start_s=failure.after_start_s, reports=failure.reports)
 
 
-def _where(folder: str, rank: int) -> str:
-    """The innermost frames of the main thread in the stacks a rank left, innermost first."""
+def _where(folder: str, rank: int, frames: int = 4) -> str:
+    """The innermost `frames` frames of the main thread in the stacks a rank left, innermost first."""
     try:
         with open(os.path.join(folder, f"rank{rank}.txt")) as f:
             text = f.read()
@@ -293,8 +294,7 @@ def _where(folder: str, rank: int) -> str:
     if not blocks:
         return ""
     main = next((b for b in reversed(blocks) if b.lstrip().startswith("Current thread")), blocks[-1])
-    frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File")][:4]
-    return " <- ".join(frames)
+    return " <- ".join([line.strip() for line in main.splitlines() if line.strip().startswith("File")][:frames])
 
 
 def _clock_rate() -> float:
@@ -317,17 +317,7 @@ def _stacks(procs, running: list[int], folder: str) -> str:
         except OSError:
             pass
     time.sleep(1.0)
-    out = []
-    for r in running:
-        try:
-            with open(os.path.join(folder, f"rank{r}.txt")) as f:
-                text = f.read()
-        except OSError:
-            continue
-        main = text.split("\n\n")[-1] if "Current thread" not in text else text[text.index("Current thread"):]
-        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File")][:8]
-        if frames:
-            out.append(f"rank {r} at: " + " <- ".join(frames))
+    out = [f"rank {r} at: {where}" for r in running if (where := _where(folder, r, frames=8))]
     return ("\n" + "\n".join(out)) if out else ""
 
 

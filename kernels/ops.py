@@ -31,7 +31,7 @@ from metainfer.kernels import rmsnorm as _rmsnorm
 from metainfer.kernels import rope as _rope
 from metainfer.kernels import glu as _glu
 
-from . import kv_pool, symm_mem  # noqa: F401  (symm_mem registers metainfer::symm_mem_all_reduce)
+from . import kv_pool, shm_collectives, symm_mem  # noqa: F401  (they register metainfer::shm_*, symm_mem_all_reduce)
 from .configs import config_for
 
 _LIB = torch.library.Library("metainfer", "FRAGMENT")

@@ -24,7 +24,9 @@ What is measured (each the median of repeated timings after a warm-up):
   127.0.0.1 at sizes from 4 KiB to 16 MiB, each fitted to its ring model t = steps x (alpha +
   chunk / beta): the all-reduce's alpha (latency) and beta (bandwidth) become the target's
   intra-island link, the others' fits its [collectives.links] (gloo's reduce-scatter is no
-  cheaper than its all-reduce, which the ring model would price at half); and how much of
+  cheaper than its all-reduce, which the ring model would price at half); the same three
+  through metainfer's shared-memory path (kernels/shm_collectives.py), each fitted to
+  t = alpha + bytes / beta, its [collectives.shm]; and how much of
   a 4 MiB all-reduce runs beside a matmul of about its length when issued asynchronously
   before it (the target's [collectives] overlap). Each rank uses its share of the cores.
 
@@ -346,7 +348,33 @@ def _collective_timings(rank: int, world: int, sizes: list[int], repeat: int) ->
                          ("reduce_scatter", lambda: dist.reduce_scatter_tensor(part, x))):
             dist.barrier()
             out[kind][nbytes] = _median_seconds(fn, repeat)
+    out["shm"] = _shm_timings(world, sizes, repeat)
     out["overlap"] = _overlap(repeat)
+    return out
+
+
+def _shm_timings(world: int, sizes: list[int], repeat: int) -> "dict | str":
+    """The shared-memory path's times at the same sizes and message definitions as gloo's
+    (kernels/shm_collectives.py), or why it cannot run here."""
+    import torch
+    import torch.distributed as dist
+
+    from metainfer.kernels import shm_collectives
+
+    g = dist.group.WORLD.group_name
+    why = shm_collectives.reserve(g)
+    if why is not None:
+        return why
+    ops = torch.ops.metainfer
+    out = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        part = torch.ones(nbytes // 4 // world)
+        for kind, fn in (("all_reduce", lambda: ops.shm_all_reduce(x, g)),
+                         ("all_gather", lambda: ops.shm_all_gather(part, world, g)),
+                         ("reduce_scatter", lambda: ops.shm_reduce_scatter(x, world, g))):
+            dist.barrier()
+            out[kind][nbytes] = _median_seconds(fn, repeat)
     return out
 
 
@@ -395,20 +423,25 @@ def overlap_share(t: dict) -> float:
     return min(1.0, max(0.0, hidden / min(t["comm_s"], t["compute_s"])))
 
 
-def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, float]:
-    """(alpha seconds, beta bytes/s) of t = steps (alpha + (M / n) / beta), least squares;
-    steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter (M the whole buffer)."""
-    steps = 2 * (world - 1) if kind == "all_reduce" else world - 1
-    xs = [m / world for m in points]  # bytes per step
-    ys = [t / steps for t in points.values()]
+def fit_line(points: dict[float, float]) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of t = alpha + x / beta over points x -> t, least squares.
+    Latency-bound at every size (a loaded machine): bandwidth from the largest point."""
+    xs, ys = list(points), list(points.values())
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    if slope <= 0:  # latency-bound at every size (a loaded machine): bandwidth from the largest
+    if slope <= 0:
         big = max(points)
-        return min(points.values()) / steps, (big / world) / (points[big] / steps)
+        return min(ys), big / points[big]
     return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) of t = steps (alpha + (M / n) / beta), least squares;
+    steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter (M the whole buffer)."""
+    steps = 2 * (world - 1) if kind == "all_reduce" else world - 1
+    return fit_line({m / world: t / steps for m, t in points.items()})
 
 
 def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict]:
@@ -425,6 +458,14 @@ def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict
             alpha, beta = fit_ring(points, world, kind)
             out[f"{kind} {world}"] = {"alpha_us": alpha * 1e6, "beta_gbs": beta / 1e9,
                                       "points_us": {str(m): t * 1e6 for m, t in points.items()}}
+            shm = [r["shm"] for r in results]
+            if all(isinstance(r, dict) for r in shm):  # t = alpha + M / beta, M as for gloo's
+                points = {m: max(r[kind][m] for r in shm) for m in sizes}
+                alpha, beta = fit_line(points)
+                out[f"shm {kind} {world}"] = {"alpha_us": alpha * 1e6, "beta_gbs": beta / 1e9,
+                                              "points_us": {str(m): t * 1e6 for m, t in points.items()}}
+            else:
+                out[f"shm unavailable {world}"] = next(r for r in shm if isinstance(r, str))
         # the slowest rank's times: it is the one the others wait for
         out[f"overlap {world}"] = max((r["overlap"] for r in results), key=lambda t: t["both_s"])
     return out
@@ -478,7 +519,7 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
     bf16 = max(v for k, v in m.matmul_gflops.items() if k.startswith("bf16"))
     classes = ", ".join(f"{k} {v:.1f}" for k, v in m.matmul_gflops.items())
     # the link: the all-reduce fit over the fewest ranks (the others share the cores it has)
-    ar = sorted((int(k.split()[1]), v) for k, v in m.collectives.items() if k.startswith("all_reduce"))
+    ar = sorted((int(k.split()[1]), v) for k, v in m.collectives.items() if k.startswith("all_reduce "))
     link = (ar[0][1]["beta_gbs"], ar[0][1]["alpha_us"]) if ar else None
     lines = [
         f"# {t.name} calibrated by `metainfer calibrate` on {m.machine}, {m.when},",
@@ -528,7 +569,7 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
     ]
     if link:
         fits = "; ".join(f"{k}: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s"
-                         for k, v in m.collectives.items())
+                         for k, v in m.collectives.items() if not k.startswith("shm"))
         lines += [f"# gloo on 127.0.0.1 fitted to the ring model ({fits})",
                   f"intra_island = {{ bandwidth_gbs = {link[0]:.4g}, latency_us = {link[1]:.3g} }}"]
     else:
@@ -548,6 +589,14 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
             lines += ["", "[collectives.links]", f"# each kind fitted to its ring model on its own ({world} ranks)"]
             lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
                       for kind, v in own]
+        shm = [(kind, m.collectives[f"shm {kind} {world}"]) for kind in ("all_reduce", "all_gather", "reduce_scatter")
+               if f"shm {kind} {world}" in m.collectives]
+        if shm:
+            lines += ["", "[collectives.shm]",
+                      f"# metainfer's shared-memory path between the ranks of this host ({world} ranks), each kind",
+                      "# fitted to t = latency + bytes / bandwidth (bytes: the buffer; all-gather: its output)"]
+            lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
+                      for kind, v in shm]
     lines.append("")
     return "\n".join(lines)
 
@@ -563,6 +612,10 @@ def table(m: Measurements) -> str:
              for k, v in m.custom_op_overhead_us.items()]
     rows += [f"metainfer::{k} work: {v:.2f}x its roofline" for k, v in m.custom_op_slowdown.items()]
     for k, v in m.collectives.items():
-        rows.append(f"gloo {k} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
+        if k.startswith("shm unavailable"):
+            rows.append(f"shared-memory path over {k.split()[-1]} ranks: not measured ({v})")
+        else:
+            lib = "shared memory" if k.startswith("shm ") else "gloo"
+            rows.append(f"{lib} {k.removeprefix('shm ')} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
     rows += [f"gloo all-reduce beside a matmul, {k} ranks: {v:.0%} of it hidden" for k, v in m.comm_overlap.items()]
     return "\n".join(rows)

@@ -21,7 +21,11 @@ for reduce-scatter the unreduced input):
   sibling groups, which run the same collective at the same time (every rank runs the same
   program): the boundary's bandwidth is divided among them;
 - all_gather, reduce_scatter: `ring`;
-- all_to_all: `direct` (each rank sends nbytes/n to every peer in one step).
+- all_to_all: `direct` (each rank sends nbytes/n to every peer in one step);
+- `shm` (all_reduce, all_gather, reduce_scatter): ranks of one host through a shared-memory
+  segment (kernels/shm_collectives.py), priced latency + nbytes / bandwidth from the target's
+  [collectives.shm] fit of that kind (`metainfer calibrate` measures it); offered only where
+  the target declares it. It runs on the rank's own core, beside nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from metainfer.hardware.fxops import VIEW_NAMES, op_name
 from metainfer.hardware.targets import Target
 
 ALGORITHMS = {
-    "all_reduce": ("ring", "two_shot", "one_shot", "hierarchical"),
-    "all_gather": ("ring",),
-    "reduce_scatter": ("ring",),
+    "all_reduce": ("ring", "two_shot", "one_shot", "hierarchical", "shm"),
+    "all_gather": ("ring", "shm"),
+    "reduce_scatter": ("ring", "shm"),
     "all_to_all": ("direct",),
 }
 
@@ -132,6 +136,15 @@ def collective_cost(kind: str, nbytes: float, target: Target, algorithm: str | N
     if not nbytes >= 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     t = _Topo(target, ranks)
+    if algorithm == "shm":
+        shm = target.shm_links.get(kind)
+        if shm is None:
+            raise ValueError(f"target {target.name!r} declares no shared-memory path for {kind} ([collectives.shm])")
+        if t.n == 1 or nbytes == 0:
+            return CollectiveCost(kind, algorithm, nbytes, t.n, 0.0, 0.0, 0.0, 0)
+        # bytes through host memory: each rank writes its part into the segment once
+        return CollectiveCost(kind, algorithm, nbytes, t.n, shm.latency_s + nbytes / shm.bandwidth,
+                              bytes_intra=t.n * nbytes, bytes_inter=0.0, steps=1)
     link = target.collective_links.get(kind)
     if link is not None:  # fitted for this kind alone: how the library implements it, not the ring
         t.bw_i = t.bw_x = link.bandwidth
@@ -175,7 +188,7 @@ def candidates(kind: str, nbytes: float, target: Target, ranks=None) -> list[Col
     """Every algorithm the target allows for this collective, priced."""
     out = []
     for alg in ALGORITHMS[kind]:
-        if alg == "one_shot" and not target.topology.p2p:
+        if alg == "one_shot" and not target.topology.p2p or alg == "shm" and kind not in target.shm_links:
             continue
         out.append(collective_cost(kind, nbytes, target, alg, ranks))
     return out

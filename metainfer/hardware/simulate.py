@@ -43,6 +43,8 @@ COLLECTIVE_OPS = {
     "all_to_all_single": "all_to_all",
 }
 
+SHM_OPS = {"shm_all_reduce": "all_reduce", "shm_all_gather": "all_gather", "shm_reduce_scatter": "reduce_scatter"}
+
 
 @dataclass
 class Interval:
@@ -175,8 +177,8 @@ def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
                 return tuple(ranks)
         except Exception:  # a name from another process (a cached graph): fall back below
             pass
-    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        size = node.args[1] if name == "all_gather_into_tensor" else node.args[2]
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "shm_all_gather", "shm_reduce_scatter"):
+        size = node.args[2] if name == "reduce_scatter_tensor" else node.args[1]
         if isinstance(size, int):
             return min(size, target.num_devices)
     return target.num_devices
@@ -222,6 +224,13 @@ class GraphTimeline:
             end = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, max(deps, tl.compute_free))
         elif is_c10d(node) and name == "wait_tensor":
             end = tl.wait(deps)
+        elif name in SHM_OPS:  # shared memory: the rank's own core does it, the compute stream waits
+            kind = SHM_OPS[name]
+            nbytes = _collective_bytes(node, kind)
+            ranks = group_ranks(node, target)
+            c = cost.collective_cost(kind, nbytes, target, "shm", ranks=ranks)
+            end = tl.wait(tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds,
+                                         max(deps, tl.compute_free)))
         elif name == "symm_mem_all_reduce":  # a P2P all-reduce kernel: the compute stream waits for it
             nbytes = cost.tensor_bytes(node.args[0].meta["val"])
             ranks = group_ranks(node, target)

@@ -33,6 +33,7 @@ class TargetError(ValueError):
 
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+SHM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # what kernels/shm_collectives.py implements
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class Target:
     # library's implementation of it is not the ring the topology implies (gloo's reduce-scatter
     # costs what its all-reduce does); one-island targets only
     collective_links: Mapping[str, "LinkSpec"] = field(default_factory=dict)
+    # [collectives.shm]: the ranks share one host and may exchange through shared memory
+    # (metainfer's shm path, kernels/shm_collectives.py): per kind, t = latency + bytes / bandwidth
+    # as `metainfer calibrate` fits it; absent: the path is not offered
+    shm_links: Mapping[str, "LinkSpec"] = field(default_factory=dict)
 
     def collective_settings(self) -> dict[str, tuple[str, str]]:
         """Environment settings for the collective library, computed from the topology, with
@@ -264,6 +269,16 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
             collective_links[kind] = links.link(kind, required=True)
     if collective_links and len(islands) > 1:
         errors.append("field 'collectives.links' is for one-island targets (the fits are of one link class)")
+    shm = coll.table("shm", optional=True)
+    shm_links = {}
+    for kind in sorted(shm.data):
+        if kind not in SHM_KINDS:
+            errors.append(f"field 'collectives.shm.{kind}' is not one of the collectives {SHM_KINDS}")
+        else:
+            shm_links[kind] = shm.link(kind, required=True)
+    if shm_links and device.kind != "cpu":
+        errors.append("field 'collectives.shm' is for CPU ranks on one host (a GPU box's host-staged path is not "
+                      "implemented)")
     overrides = coll.get("settings") or {}
     if not isinstance(overrides, Mapping) or not all(isinstance(v, (str, int)) for v in overrides.values()):
         errors.append(f"field 'collectives.settings' must be a table of NAME = value, got {overrides!r}")
@@ -283,7 +298,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
                   device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
                   collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap,
-                  collective_links=collective_links)
+                  collective_links=collective_links, shm_links=shm_links)
 
 
 def _cache_level(dev: "_Reader", errors: list[str]) -> dict[str, float]:

@@ -15,6 +15,16 @@ on 127.0.0.1 with pcie8's topology scaled onto them (2 islands), one forward of 
 tokens with select_collectives on and off: the bytes each rank actually sent to its own
 island and across (kernel socket counters, `ss`), and the outputs' agreement with the
 unsharded model.
+
+Paths (`--paths`, on by default): the same collectives between 2 (`--path-ranks`) processes
+of this machine through gloo (TCP loopback) and through metainfer's shared-memory path
+(kernels/shm_collectives.py): all-reduce, all-gather, reduce-scatter at 4 KiB, 64 KiB, 1 MiB
+and 16 MiB (the buffer each rank holds; for all-gather the gathered output), float32. gloo
+as a compiled graph issues it (a functional collective and its wait: a fresh output, as the
+shm op makes) and, for reference, in place on buffers kept across calls. Each time is the
+slowest rank's median per call; the paths alternate in rounds, so a slow spell of the machine
+hits all. With --json the last line is one JSON object: {"results": {"all_reduce 64KiB":
+{"gloo": s, "shm": s, "ratio": gloo / shm, "gloo_in_place": s, "ratio_in_place": ...}, ...}}.
 """
 
 from __future__ import annotations
@@ -93,14 +103,113 @@ def measured(ranks: int) -> None:
     print(f"\nacross islands, selected / ring: measured {rows[True] / rows[False]:.3f}, formula {formula:.3f}")
 
 
+SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _median_call_s(fn, budget_s: float = 0.25, most: int = 200) -> float:
+    """The median of n calls of a collective, n sized to the budget and the same on every rank."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    n = torch.tensor([max(3, min(most, int(budget_s / once)))])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)  # every rank must make as many calls
+    n = int(n)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paths_rank(rank, world, rounds):
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from metainfer.kernels import shm_collectives
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # each rank its share of the cores
+    g = dist.group.WORLD.group_name
+    shm_collectives.attach(g)
+    ops = torch.ops.metainfer
+    out = {}
+    for kind in KINDS:
+        for label, nbytes in SIZES.items():
+            n = nbytes // 4
+            full, part = torch.randn(n), torch.randn(n // world)
+            gathered = torch.empty(n)
+            fc = torch.ops._c10d_functional
+            # as a compiled graph issues them: a functional collective and its wait (a fresh
+            # output each call, as the shm op makes), and gloo in place on buffers kept
+            fns = {"all_reduce": (lambda: fc.wait_tensor(fc.all_reduce(full, "sum", g)),
+                                  lambda: dist.all_reduce(full), lambda: ops.shm_all_reduce(full, g)),
+                   "all_gather": (lambda: fc.wait_tensor(fc.all_gather_into_tensor(part, world, g)),
+                                  lambda: dist.all_gather_into_tensor(gathered, part),
+                                  lambda: ops.shm_all_gather(part, world, g)),
+                   "reduce_scatter": (lambda: fc.wait_tensor(fc.reduce_scatter_tensor(full, "sum", world, g)),
+                                      lambda: dist.reduce_scatter_tensor(part, full),
+                                      lambda: ops.shm_reduce_scatter(full, world, g))}[kind]
+            times = {"gloo": [], "gloo in place": [], "shm": []}
+            for _ in range(rounds):
+                for path, fn in zip(times, fns):
+                    dist.barrier()
+                    times[path].append(_median_call_s(fn))
+            out[f"{kind} {label}"] = {p: statistics.median(t) for p, t in times.items()}
+    return out
+
+
+def paths(ranks: int, rounds: int) -> dict:
+    from metainfer.parallel import multirank
+
+    res = multirank.run(paths_rank, ranks, args=(rounds,), timeout_s=900)
+    results = {}
+    for key in res[0]:
+        gloo, in_place, shm = (max(r[key][p] for r in res) for p in ("gloo", "gloo in place", "shm"))  # the slowest rank's
+        results[key] = {"gloo": gloo, "shm": shm, "ratio": gloo / shm, "gloo_in_place": in_place,
+                        "ratio_in_place": in_place / shm}
+    print(f"\nmeasured: {ranks} processes of this machine, float32, the slowest rank's median per call "
+          f"({rounds} alternating rounds); gloo over TCP loopback as a compiled graph issues it (functional "
+          "collective + wait, a fresh output) and in place on kept buffers; shm: metainfer's op (a fresh output)")
+    print("| collective | size | gloo | gloo in place | shared memory | gloo / shm | in place / shm |")
+    print("|---|---|---|---|---|---|---|")
+    for key, r in results.items():
+        kind, size = key.split()
+        print(f"| {kind} | {size} | {r['gloo'] * 1e6:,.1f} us | {r['gloo_in_place'] * 1e6:,.1f} us | "
+              f"{r['shm'] * 1e6:,.1f} us | {r['ratio']:.1f}x | {r['ratio_in_place']:.1f}x |")
+    return results
+
+
 def main() -> None:
+    import json
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--skip-measured", action="store_true")
+    ap.add_argument("--skip-measured", action="store_true", help="skip the island-bytes measurement")
+    ap.add_argument("--skip-predicted", action="store_true")
+    ap.add_argument("--paths", action=argparse.BooleanOptionalAction, default=True,
+                    help="gloo vs the shared-memory path, measured")
+    ap.add_argument("--path-ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="the last line: the paths' results as one JSON object")
     a = ap.parse_args()
-    predicted()
+    if not a.skip_predicted:
+        predicted()
     if not a.skip_measured:
         measured(a.ranks)
+    if a.paths:
+        results = paths(a.path_ranks, a.rounds)
+        if a.json:
+            print(json.dumps({"results": results}))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@
  * Sums run in a fixed rank order, in fp32 for 16-bit floats, so every rank gets the same bits.
  *
  * A barrier is each rank storing its arrival count (release) and loading the others' (acquire):
- * one writer per line, no read-modify-write. While it waits it checks that the ranks it waits
- * for are alive (kill(pid, 0)), the abort word, and the deadline, and returns which rank it
- * waited for when it gives up.
+ * one writer per line, no read-modify-write; a waiter past a short spin sleeps on a shared
+ * futex the arriving rank wakes. While it waits it checks that the ranks it waits for are
+ * alive (kill(pid, 0)), the abort word, and the deadline, and returns which rank it waited for
+ * when it gives up.
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +31,7 @@
 #define LINE 64
 #define DATA_OFFSET 4096
 #define MAGIC 0x6d6973686d763031ULL /* "mishmv01" */
+#define MAX_WORLD 63                     /* LINE * (1 + world) <= DATA_OFFSET */
 
 enum { MI_OK = 0, MI_TIMEOUT = 1, MI_DEAD = 2, MI_ABORTED = 3, MI_MISMATCH = 4, MI_BAD = 5 };
 enum { MI_F32 = 0, MI_F64 = 1, MI_BF16 = 2, MI_F16 = 3, MI_I32 = 4, MI_I64 = 5 };
@@ -65,7 +66,7 @@ uint64_t mi_segment_bytes(int world, uint64_t slot_bytes) {
 
 /* the creating rank writes the header; every rank its own line */
 int mi_init_header(char *base, int world, uint64_t slot_bytes) {
-    if (world < 1 || LINE * (1 + world) > DATA_OFFSET) return MI_BAD;
+    if (world < 1 || world > MAX_WORLD) return MI_BAD;
     uint64_t *h = (uint64_t *)base;
     h[1] = (uint64_t)world;
     h[2] = slot_bytes;
@@ -114,36 +115,61 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+/* arrival counts are 64-bit; a futex watches their low 32 bits (little-endian: the first word) */
+static inline uint32_t *low_word(uint64_t *p) { return (uint32_t *)p; }
+static void wake_all(uint64_t *p) { syscall(SYS_futex, low_word(p), FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+static void wait_while(uint64_t *p, uint64_t seen, long ns) {
+    struct timespec t = {0, ns};
+    syscall(SYS_futex, low_word(p), FUTEX_WAIT, (uint32_t)seen, &t, NULL, 0);
+}
+#else
+static void wake_all(uint64_t *p) { (void)p; }
+static void wait_while(uint64_t *p, uint64_t seen, long ns) {
+    (void)p; (void)seen;
+    struct timespec t = {0, ns < 50000 ? ns : 50000};
+    nanosleep(&t, NULL);
+}
+#endif
+
+/* how long a waiter spins before it sleeps */
+double mi_spin_s = 100e-6;
+
+/* Spin briefly (a peer on its own core arrives within microseconds), then sleep on the peer's
+ * arrival word (a shared futex: the arriving rank wakes its waiters), waking every 2 ms to look
+ * around: the abort word, the peer's pid, the deadline. No core is burnt while a peer computes. */
 static int barrier(mi_comm *c) {
     uint64_t target = ++c->barriers;
-    __atomic_store_n(&line_of(c, c->rank)->arrived, target, __ATOMIC_RELEASE);
+    uint64_t *mine = &line_of(c, c->rank)->arrived;
+    __atomic_store_n(mine, target, __ATOMIC_RELEASE);
+    wake_all(mine);
     double deadline = 0.0;
     for (int r = 0; r < c->world; r++) {
         if (r == c->rank) continue;
         rank_line *l = line_of(c, r);
         unsigned long spins = 0;
-        while (__atomic_load_n(&l->arrived, __ATOMIC_ACQUIRE) < target) {
-            spins++;
-            if (spins < 4096) { cpu_relax(); continue; }
-            /* past a short spin: give the core away (ranks may outnumber cores) and look around */
-            sched_yield();
-            if (spins % 64 == 0) {
-                /* each verdict re-reads the arrival: a peer that arrived, then gave up or died,
-                 * did complete this barrier (its arrival was stored before) */
-                uint64_t who = __atomic_load_n(abort_word(c), __ATOMIC_ACQUIRE);
-                int dead = !who && kill((pid_t)l->pid, 0) != 0 && errno == ESRCH;
-                double t = now_s();
-                if (deadline == 0.0) deadline = t + c->timeout_s;
-                int late = t > deadline;
-                if ((who || dead || late) && __atomic_load_n(&l->arrived, __ATOMIC_ACQUIRE) < target) {
-                    if (who) { c->missing = (int)who - 1; return MI_ABORTED; }
-                    c->missing = r;
-                    return dead ? MI_DEAD : MI_TIMEOUT;
-                }
-            }
-            if (spins > (1UL << 16)) {
-                struct timespec pause = {0, 50000}; /* 50 us: a long wait costs no core */
-                nanosleep(&pause, NULL);
+        double spin_until = 0.0;
+        uint64_t seen;
+        while ((seen = __atomic_load_n(&l->arrived, __ATOMIC_ACQUIRE)) < target) {
+            if (++spins % 256) { cpu_relax(); continue; }
+            /* a sleeping rank takes tens of microseconds to wake on a VM: spin SPIN_S first */
+            double t0 = now_s();
+            if (spin_until == 0.0) spin_until = t0 + mi_spin_s;
+            if (t0 < spin_until) continue;
+            wait_while(&l->arrived, seen, 2000000);
+            /* each verdict re-reads the arrival: a peer that arrived, then gave up or died,
+             * did complete this barrier (its arrival was stored before) */
+            uint64_t who = __atomic_load_n(abort_word(c), __ATOMIC_ACQUIRE);
+            int dead = !who && kill((pid_t)l->pid, 0) != 0 && errno == ESRCH;
+            double t = now_s();
+            if (deadline == 0.0) deadline = t + c->timeout_s;
+            int late = t > deadline;
+            if ((who || dead || late) && __atomic_load_n(&l->arrived, __ATOMIC_ACQUIRE) < target) {
+                if (who) { c->missing = (int)who - 1; return MI_ABORTED; }
+                c->missing = r;
+                return dead ? MI_DEAD : MI_TIMEOUT;
             }
         }
     }
@@ -197,26 +223,28 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)(u >> 16);
 }
 
-/* out[i] = sum over ranks r (in order) of slot(parity, r)[offset + i], n elements. Block by
- * block through a local accumulator: `out` may be one of the slots (a large all-reduce sums
- * its chunk in place). */
+/* out[i] = sum over ranks r (in rank order) of src[r][i], n elements, also stored to `out2`
+ * when given. Block by block through a local accumulator, so an output may alias a source. A
+ * rank's own part is read from its input where it has it: only the peers' parts go through the
+ * segment. */
 #define BLOCK 1024
 #define SUM_DIRECT(T)                                                                   \
     {                                                                                   \
         T acc[BLOCK];                                                                   \
         for (size_t b = 0; b < n; b += BLOCK) {                                         \
             size_t m = n - b < BLOCK ? n - b : BLOCK;                                   \
-            const T *s0 = (const T *)(slot(c, parity, 0) + offset) + b;                \
+            const T *s0 = (const T *)src[0] + b;                                        \
             for (size_t i = 0; i < m; i++) acc[i] = s0[i];                             \
-            for (int r = 1; r < c->world; r++) {                                       \
-                const T *s = (const T *)(slot(c, parity, r) + offset) + b;             \
+            for (int r = 1; r < world; r++) {                                          \
+                const T *s = (const T *)src[r] + b;                                     \
                 for (size_t i = 0; i < m; i++) acc[i] += s[i];                         \
             }                                                                           \
             memcpy((T *)out + b, acc, m * sizeof(T));                                   \
+            if (out2) memcpy((T *)out2 + b, acc, m * sizeof(T));                        \
         }                                                                               \
     }
 
-static void sum_slots(mi_comm *c, uint64_t parity, size_t offset, void *out, size_t n, int dtype) {
+static void sum_sources(const char **src, int world, void *out, void *out2, size_t n, int dtype) {
     switch (dtype) {
     case MI_F32: SUM_DIRECT(float) break;
     case MI_F64: SUM_DIRECT(double) break;
@@ -225,10 +253,11 @@ static void sum_slots(mi_comm *c, uint64_t parity, size_t offset, void *out, siz
     case MI_BF16:
     case MI_F16: {
         float acc[BLOCK];
+        uint16_t half[BLOCK];
         for (size_t b = 0; b < n; b += BLOCK) {
             size_t m = n - b < BLOCK ? n - b : BLOCK;
-            for (int r = 0; r < c->world; r++) {
-                const uint16_t *s = (const uint16_t *)(slot(c, parity, r) + offset) + b;
+            for (int r = 0; r < world; r++) {
+                const uint16_t *s = (const uint16_t *)src[r] + b;
                 if (dtype == MI_BF16) {
                     if (r == 0) for (size_t i = 0; i < m; i++) acc[i] = bf16_to_f32(s[i]);
                     else for (size_t i = 0; i < m; i++) acc[i] += bf16_to_f32(s[i]);
@@ -239,16 +268,23 @@ static void sum_slots(mi_comm *c, uint64_t parity, size_t offset, void *out, siz
                 }
             }
             if (dtype == MI_BF16) {
-                uint16_t *o = (uint16_t *)out + b;
-                for (size_t i = 0; i < m; i++) o[i] = f32_to_bf16(acc[i]);
+                for (size_t i = 0; i < m; i++) half[i] = f32_to_bf16(acc[i]);
             } else {
-                _Float16 *o = (_Float16 *)out + b;
-                for (size_t i = 0; i < m; i++) o[i] = (_Float16)acc[i];
+                _Float16 *h = (_Float16 *)half;
+                for (size_t i = 0; i < m; i++) h[i] = (_Float16)acc[i];
             }
+            memcpy((uint16_t *)out + b, half, m * 2);
+            if (out2) memcpy((uint16_t *)out2 + b, half, m * 2);
         }
         break;
     }
     }
+}
+
+/* the sources of a sum over element range starting at byte `offset` of every slot; this
+ * rank's own from `mine` instead */
+static void slot_sources(mi_comm *c, uint64_t parity, uint64_t offset, const char *mine, const char **src) {
+    for (int r = 0; r < c->world; r++) src[r] = r == c->rank ? mine : slot(c, parity, r) + offset;
 }
 
 static size_t elem_size(int dtype) {
@@ -270,6 +306,7 @@ int mi_all_reduce(mi_comm *c, const char *in, char *out, uint64_t nbytes, int dt
     size_t es = elem_size(dtype);
     if (!es || nbytes % es) return MI_BAD;
     int rc;
+    const char *src[MAX_WORLD];
     post(c, K_ALL_REDUCE * 8 + dtype, nbytes);
     if (nbytes == 0) return meet(c, 1);
     /* a piece is a whole number of elements, and its per-rank chunks too */
@@ -277,21 +314,33 @@ int mi_all_reduce(mi_comm *c, const char *in, char *out, uint64_t nbytes, int dt
     for (uint64_t off = 0; off < nbytes; off += piece) {
         uint64_t len = nbytes - off < piece ? nbytes - off : piece;
         uint64_t parity = c->pieces++ % 2;
-        memcpy(slot(c, parity, c->rank), in + off, len);
-        if ((rc = meet(c, off == 0))) return rc;
         if (len <= mi_one_shot_max || c->world == 1) {
-            sum_slots(c, parity, 0, out + off, len / es, dtype);
+            memcpy(slot(c, parity, c->rank), in + off, len);
+            if ((rc = meet(c, off == 0))) return rc;
+            slot_sources(c, parity, 0, in + off, src);
+            sum_sources(src, c->world, out + off, NULL, len / es, dtype);
             continue;
         }
+        /* rank r sums chunk r: the others' chunks go into this rank's slot, its own stays put */
         uint64_t elems = len / es, per = (elems + c->world - 1) / c->world;
-        uint64_t lo = per * c->rank < elems ? per * c->rank : elems;
-        uint64_t hi = lo + per < elems ? lo + per : elems;
-        if (hi > lo) sum_slots(c, parity, lo * es, slot(c, parity, c->rank) + lo * es, hi - lo, dtype);
-        if ((rc = barrier(c))) return rc;
-        for (int r = 0; r < c->world; r++) {
-            uint64_t a = per * r < elems ? per * r : elems, b = a + per < elems ? a + per : elems;
-            if (b > a) memcpy(out + off + a * es, slot(c, parity, r) + a * es, (b - a) * es);
+#define LO(r) ((uint64_t)(r) * per < elems ? (uint64_t)(r) * per : elems)
+#define HI(r) (LO(r) + per < elems ? LO(r) + per : elems)
+        for (int r = 0; r < c->world; r++)
+            if (r != c->rank && HI(r) > LO(r))
+                memcpy(slot(c, parity, c->rank) + LO(r) * es, in + off + LO(r) * es, (HI(r) - LO(r)) * es);
+        if ((rc = meet(c, off == 0))) return rc;
+        uint64_t lo = LO(c->rank), hi = HI(c->rank);
+        if (hi > lo) {
+            slot_sources(c, parity, lo * es, in + off + lo * es, src);
+            /* the sum to this rank's output, and to its slot for the others */
+            sum_sources(src, c->world, out + off + lo * es, slot(c, parity, c->rank) + lo * es, hi - lo, dtype);
         }
+        if ((rc = barrier(c))) return rc;
+        for (int r = 0; r < c->world; r++)
+            if (r != c->rank && HI(r) > LO(r))
+                memcpy(out + off + LO(r) * es, slot(c, parity, r) + LO(r) * es, (HI(r) - LO(r)) * es);
+#undef LO
+#undef HI
     }
     return MI_OK;
 }
@@ -306,7 +355,8 @@ int mi_all_gather(mi_comm *c, const char *in, char *out, uint64_t nbytes) {
         uint64_t parity = c->pieces++ % 2;
         memcpy(slot(c, parity, c->rank), in + off, len);
         if ((rc = meet(c, off == 0))) return rc;
-        for (int r = 0; r < c->world; r++) memcpy(out + (uint64_t)r * nbytes + off, slot(c, parity, r), len);
+        for (int r = 0; r < c->world; r++)
+            memcpy(out + (uint64_t)r * nbytes + off, r == c->rank ? in + off : slot(c, parity, r), len);
     }
     return MI_OK;
 }
@@ -319,15 +369,18 @@ int mi_reduce_scatter(mi_comm *c, const char *in, char *out, uint64_t out_bytes,
     piece -= piece % es;
     if (piece == 0) return MI_BAD;
     int rc;
+    const char *src[MAX_WORLD];
     post(c, K_REDUCE_SCATTER * 8 + dtype, out_bytes);
     if (out_bytes == 0) return meet(c, 1);
     for (uint64_t off = 0; off < out_bytes; off += piece) {
         uint64_t len = out_bytes - off < piece ? out_bytes - off : piece;
         uint64_t parity = c->pieces++ % 2;
-        for (int r = 0; r < c->world; r++)
-            memcpy(slot(c, parity, c->rank) + (uint64_t)r * len, in + (uint64_t)r * out_bytes + off, len);
+        for (int r = 0; r < c->world; r++)  /* the others' chunks; this rank's own stays in its input */
+            if (r != c->rank)
+                memcpy(slot(c, parity, c->rank) + (uint64_t)r * len, in + (uint64_t)r * out_bytes + off, len);
         if ((rc = meet(c, off == 0))) return rc;
-        sum_slots(c, parity, (uint64_t)c->rank * len, out + off, len / es, dtype);
+        slot_sources(c, parity, (uint64_t)c->rank * len, in + (uint64_t)c->rank * out_bytes + off, src);
+        sum_sources(src, c->world, out + off, NULL, len / es, dtype);
     }
     return MI_OK;
 }

@@ -39,6 +39,7 @@ SHM_DIR = Path("/dev/shm")
 DATA_OFFSET = 4096  # as in the C file
 SLOT_BYTES = 4 << 20  # per rank and parity: messages are cut into pieces of this size
 MIN_SLOT_BYTES = 64 << 10
+MAX_WORLD = 63  # rank lines that fit the header page (the C file's MAX_WORLD)
 DEFAULT_TIMEOUT_S = 300.0
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int32: 4, torch.int64: 5}
 DTYPES = tuple(_DTYPES)
@@ -318,6 +319,8 @@ def attach(group_name: str, slot_bytes: int | None = None, exchange=None) -> Com
     members = dist.get_process_group_ranks(pg)
     me, world = pg.rank(), pg.size()
     why = unavailable_reason()
+    if why is None and world > MAX_WORLD:
+        why = f"{world} ranks: the segment's header holds at most {MAX_WORLD}"
     if slot_bytes is None and why is None:
         slot_bytes = slot_bytes_for(world, _free_bytes())
         if not slot_bytes:

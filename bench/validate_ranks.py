@@ -65,13 +65,15 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
 
 
 def _rank_run(rank: int, world: int, path: str, overlap: float, calibrated_threads: int, disable: tuple,
-              options: dict, cache_dir: str) -> dict:
+              options: dict, cache_dir: str, shm: bool = True) -> dict:
     import metainfer
     from validate_cost_model import MODELS  # bench/ is on the path
 
     from metainfer.testing import tiny_hf_model
 
     target, threads = rank_target(path, world, overlap, calibrated_threads)
+    if not shm:  # the calibrated target as it was before the shared-memory path: gloo only
+        target = dataclasses.replace(target, shm_links={})
     torch.set_num_threads(threads)
     # the validation's Llama with 4 key-value heads, so that 4 ranks can split them; the same
     # seed on every rank: the same weights
@@ -109,13 +111,17 @@ def measure_overlap(worlds) -> dict[int, float]:
     return dict(OVERLAP)
 
 
+SHM = [True]  # whether the jobs may take the target's shared-memory path ([collectives.shm])
+
+
 def _job(world: int, path: str, cache_dir: str, disable=(), options=None) -> dict:
     from metainfer.parallel import multirank
 
     if world not in OVERLAP:
         measure_overlap([world])
     res = multirank.run(_rank_run, world, args=(path, OVERLAP[world], CALIBRATED_THREADS, tuple(disable),
-                                                dict(options or {}), cache_dir), timeout_s=1200, start_timeout_s=300)
+                                                dict(options or {}), cache_dir, SHM[0]),
+                        timeout_s=1200, start_timeout_s=300)
     slowest = max(res, key=lambda r: r["measured_s"])
     return {"predicted_s": max(r["predicted_s"] for r in res), "measured_s": slowest["measured_s"],
             "records": res[0]["records"]}
@@ -172,6 +178,9 @@ def decisions(path: str, cache_dir: str, default: dict, worlds=(2,), tie: float 
         on, off = (base, other) if k > 1 else (other, base)
         row("pipeline_collectives", "apply" if k > 1 else "decline", on["measured_s"], off["measured_s"],
             f"k={max(k, alt)} vs whole")
+        if any(": shared memory, predicted" in d for d in rec["select_collectives"]["decisions"]):
+            other = _job(world, path, cache_dir, disable=("select_collectives",))  # every collective on gloo
+            row("select_collectives", "apply", base["measured_s"], other["measured_s"], "shared memory vs gloo")
         if rec["overlap_collectives"]["matches"]:
             other = _job(world, path, cache_dir, disable=("overlap_collectives",))
             row("overlap_collectives", "apply", base["measured_s"], other["measured_s"], "order")
@@ -179,3 +188,44 @@ def decisions(path: str, cache_dir: str, default: dict, worlds=(2,), tie: float 
             progress(f"gloo tp{world}: overlap_collectives kept the order; not measured")
         progress(f"gloo tp{world} decisions: {time.perf_counter() - t0:.0f} s")
     return rows
+
+
+def main(argv=None) -> int:
+    """The multi-rank rows alone, on a calibrated TOML: `--shm both` runs them with the target's
+    shared-memory path and with it removed (gloo only), one after the other."""
+    import argparse
+    import json
+    import sys
+    import tempfile
+
+    from validate_cost_model import TIE, decision_table, table
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="a calibrated target TOML (metainfer calibrate --ranks 2)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2])
+    ap.add_argument("--shm", choices=("on", "off", "both"), default="both")
+    a = ap.parse_args(argv)
+    summary = {}
+    for shm in ((False, True) if a.shm == "both" else (a.shm == "on",)):
+        SHM[0] = shm
+        label = "with the shm path" if shm else "gloo only"
+        with tempfile.TemporaryDirectory() as cache:
+            say = lambda s: print(f"[{label}] {s}", file=sys.stderr, flush=True)  # noqa: E731
+            rows, default = steps(a.target, cache, a.ranks, progress=say)
+            chosen = decisions(a.target, cache, default, a.ranks[:1], TIE, progress=say)
+        print(f"\n{label}:")
+        print(table(rows))
+        print()
+        print(decision_table(chosen))
+        summary[label] = {"graphs": len(rows), "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+                          "decisions": len(chosen), "decisions_agree": sum(r["agree"] for r in chosen),
+                          "measured_on_s": {r["case"]: r["measured_s"] for r in rows}}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    sys.exit(main())

@@ -201,6 +201,8 @@ class Communicator:
         if not self._comm:
             raise ShmUnavailable(f"the segment of group {group_name!r} has another header than this rank expects")
         self.steps = 0  # collectives done: the step an error names
+        self.failed: str | None = None  # the error that ended this group's path (it stays ended)
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, Communicator._release, self._lib, self._comm, mapping)
 
@@ -214,6 +216,14 @@ class Communicator:
 
     def close(self) -> None:
         self._finalizer()
+
+    def _ready(self, what: str) -> None:
+        if self.failed is not None:
+            raise ShmCollectiveError(f"shm {what} (group {self.group_name!r}): the group's shared-memory path failed "
+                                     f"earlier: {self.failed}")
+        if os.getpid() != self._pid:
+            raise ShmCollectiveError(f"shm {what} (group {self.group_name!r}): this process was forked from the rank "
+                                     "that attached the segment; attach in the rank itself")
 
     def _done(self, rc: int, what: str) -> None:
         self.steps += 1
@@ -236,12 +246,14 @@ class Communicator:
         else:
             raise ValueError(f"shm {what}: bad arguments")
         self._lib.mi_abort(self._comm)  # the others stop waiting for this rank
-        raise ShmCollectiveError(f"{where}: {why}")
+        self.failed = f"{where}: {why}"
+        raise ShmCollectiveError(self.failed)
 
     def all_reduce(self, x: Tensor) -> Tensor:
         x = _checked(x, "all_reduce")
         out = torch.empty_like(x)
         with self._lock:
+            self._ready("all_reduce")
             rc = self._lib.mi_all_reduce(self._comm, x.data_ptr(), out.data_ptr(), x.numel() * x.element_size(),
                                          _DTYPES[x.dtype])
             self._done(rc, "all_reduce")
@@ -251,6 +263,7 @@ class Communicator:
         x = _checked(x, "all_gather", reduce=False)
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]) if x.dim() else (self.world,))
         with self._lock:
+            self._ready("all_gather")
             rc = self._lib.mi_all_gather(self._comm, x.data_ptr(), out.data_ptr(), x.numel() * x.element_size())
             self._done(rc, "all_gather")
         return out
@@ -262,6 +275,7 @@ class Communicator:
                              f"{self.world} ranks")
         out = x.new_empty((x.shape[0] // self.world, *x.shape[1:]))
         with self._lock:
+            self._ready("reduce_scatter")
             rc = self._lib.mi_reduce_scatter(self._comm, x.data_ptr(), out.data_ptr(),
                                              out.numel() * out.element_size(), _DTYPES[x.dtype])
             self._done(rc, "reduce_scatter")
@@ -269,6 +283,7 @@ class Communicator:
 
     def barrier(self) -> None:
         with self._lock:
+            self._ready("barrier")
             self._done(self._lib.mi_barrier(self._comm), "barrier")
 
 

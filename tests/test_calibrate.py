@@ -179,3 +179,24 @@ def test_hugging_face_grouped_mm_fallback_is_priced_by_its_work_and_host_loop(tm
     flops, nbytes = 2 * S * K * N, 4 * S * K + 4 * 2 * K * N + 4 * E + 4 * S * N  # rows, 2 experts, offsets, out
     assert (c.flops, c.bytes) == (flops, nbytes)
     assert c.seconds == pytest.approx(flops / 400e9 + nbytes / 30e9 + 30e-6 + 2 * 10e-6)
+
+
+def test_the_shared_memory_fits_become_the_targets_shm_links(tmp_path):
+    m = _measured()
+    m.collectives["shm all_reduce 2"] = {"alpha_us": 7.0, "beta_gbs": 4.0, "points_us": {}}
+    m.collectives["shm all_gather 2"] = {"alpha_us": 5.0, "beta_gbs": 6.0, "points_us": {}}
+    t = targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m, targets.get("cpu"))), "calibrated")
+    assert t.shm_links["all_reduce"].bandwidth == pytest.approx(4e9)
+    assert t.shm_links["all_reduce"].latency_s == pytest.approx(7e-6)
+    assert set(t.shm_links) == {"all_reduce", "all_gather"}
+    # the gloo link is still the gloo all-reduce's fit, not the shm one's
+    assert t.topology.intra_island.latency_s == pytest.approx(120e-6)
+    # priced as latency + bytes / bandwidth, offered next to the ring
+    algs = {c.algorithm: c.seconds for c in cost.candidates("all_reduce", 1 << 20, t, ranks=1)}
+    assert "shm" in algs
+
+
+def test_a_line_fit_recovers_latency_and_bandwidth():
+    points = {m: 7e-6 + m / 4e9 for m in (4096, 65536, 1 << 20, 16 << 20)}
+    a, b = calibrate.fit_line(points)
+    assert a == pytest.approx(7e-6) and b == pytest.approx(4e9)

@@ -88,6 +88,13 @@ def test_single_rank_and_bad_input():
 
 
 KINDS = [(k, a) for k, algs in cost.ALGORITHMS.items() for a in algs]
+
+
+def with_shm(t, bandwidth=6e9, latency_s=40e-6):
+    """`t` with a shared-memory path for every kind it serves (a CPU host's, as calibrate fits it)."""
+    from metainfer.hardware.targets import SHM_KINDS, LinkSpec
+
+    return dataclasses.replace(t, shm_links={k: LinkSpec(bandwidth=bandwidth, latency_s=latency_s) for k in SHM_KINDS})
 TARGETS = ["pcie8", "pcie8-nop2p", "pcie8-gen5", "pcie4", "nvlink8"]
 
 
@@ -95,7 +102,7 @@ TARGETS = ["pcie8", "pcie8-nop2p", "pcie8-gen5", "pcie4", "nvlink8"]
 @given(st.sampled_from(KINDS), st.sampled_from(TARGETS), st.floats(0, 1e9), st.floats(1.0, 4.0))
 def test_more_bytes_never_faster(kind_alg, name, nbytes, factor):
     kind, alg = kind_alg
-    t = targets.get(name)
+    t = with_shm(targets.get(name))
     if alg == "one_shot" and not t.topology.p2p:
         return
     a = cost.collective_cost(kind, nbytes, t, alg)
@@ -116,7 +123,7 @@ def test_one_island_hierarchical_is_the_flat_ring(nbytes, ranks):
 @given(st.sampled_from(KINDS), st.floats(1, 1e9))
 def test_infinite_bandwidth_leaves_latency(kind_alg, nbytes):
     kind, alg = kind_alg
-    t = with_links(targets.get("pcie8"), intra_bw=1e300, inter_bw=1e300)
+    t = with_shm(with_links(targets.get("pcie8"), intra_bw=1e300, inter_bw=1e300), bandwidth=1e300)
     c = cost.collective_cost(kind, nbytes, t, alg)
     assert c.seconds == pytest.approx(c.steps * 40e-6, rel=1e-9)
 
@@ -366,3 +373,20 @@ def test_a_collective_kind_fitted_on_its_own_is_priced_by_its_fit():
     assert cost.collective_cost("reduce_scatter", mib, own).seconds == pytest.approx(300e-6 + mib / 2 / 0.5e9)
     assert cost.collective_cost("reduce_scatter", mib, base).seconds == pytest.approx(link.latency_s + mib / 2 / link.bandwidth)
     assert cost.collective_cost("all_reduce", mib, own).seconds == cost.collective_cost("all_reduce", mib, base).seconds
+
+
+def test_the_shared_memory_path_is_priced_by_its_fit_and_offered_only_where_declared():
+    from metainfer.hardware.targets import LinkSpec
+
+    base = dataclasses.replace(targets.get("pcie8"), num_devices=2,
+                               topology=dataclasses.replace(targets.get("pcie8").topology, islands=((0, 1),),
+                                                            inter_island=None))
+    shm = dataclasses.replace(base, shm_links={"all_reduce": LinkSpec(bandwidth=4e9, latency_s=10e-6)})
+    mib = 4 * 2**20
+    assert cost.collective_cost("all_reduce", mib, shm, "shm").seconds == pytest.approx(10e-6 + mib / 4e9)
+    assert "shm" in {c.algorithm for c in cost.candidates("all_reduce", mib, shm)}
+    assert "shm" not in {c.algorithm for c in cost.candidates("all_gather", mib, shm)}  # no fit for that kind
+    assert "shm" not in {c.algorithm for c in cost.candidates("all_reduce", mib, base)}
+    with pytest.raises(ValueError, match="no shared-memory path"):
+        cost.collective_cost("all_gather", mib, shm, "shm")
+    assert cost.collective_cost("all_reduce", 0, shm, "shm").seconds == 0.0

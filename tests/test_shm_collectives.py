@@ -88,14 +88,21 @@ def _mismatch_rank(rank: int, world: int) -> str:
     try:
         torch.ops.metainfer.shm_all_reduce(torch.ones(10 + rank), g)
     except shm.ShmCollectiveError as e:
-        return str(e)
-    return "no error"
+        first = str(e)
+    else:
+        return "no error"
+    try:  # the group's path stays ended
+        torch.ops.metainfer.shm_all_reduce(torch.ones(10), g)
+    except shm.ShmCollectiveError as e:
+        return first + " | " + str(e)
+    return first + " | no error"
 
 
 def test_ranks_entering_different_collectives_both_fail_and_say_so():
     reports = multirank.run(_mismatch_rank, 2, timeout_s=60)
     assert "rank 1 entered another collective (all_reduce of 44 bytes float32)" in reports[0]
     assert "rank 0 entered another collective (all_reduce of 40 bytes float32)" in reports[1]
+    assert all("| shm all_reduce (group '0'): the group's shared-memory path failed earlier" in r for r in reports)
 
 
 def _segments() -> set[str]:

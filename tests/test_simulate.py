@@ -118,3 +118,25 @@ def test_a_symmetric_memory_all_reduce_blocks_the_compute_stream():
     expected = cost.collective_cost("all_reduce", 64 * 4096 * 2, t, "one_shot").seconds
     assert s.comm_seconds == pytest.approx(expected) and s.exposed_comm_seconds == pytest.approx(expected)
     assert not s.priced_by_bytes
+
+
+def test_a_shared_memory_collective_is_priced_by_its_fit_and_fully_exposed():
+    """metainfer::shm_* run on the rank's own core: latency + bytes / bandwidth from the
+    target's [collectives.shm], the compute stream waiting for it (by hand: 64 x 4096 bf16)."""
+    import dataclasses
+
+    import metainfer.kernels.ops  # noqa: F401  (registers the ops)
+    from metainfer.hardware.targets import LinkSpec
+
+    t = dataclasses.replace(targets.get("pcie8"), device=dataclasses.replace(targets.get("pcie8").device, kind="cpu"),
+                            shm_links={"all_reduce": LinkSpec(bandwidth=4e9, latency_s=10e-6),
+                                       "all_gather": LinkSpec(bandwidth=8e9, latency_s=5e-6)})
+    b = Builder()
+    x, w = b.input("x", 64, 4096), b.input("w", 4096, 4096)
+    h = b.call(aten.mm.default, x, w)
+    r = b.call(torch.ops.metainfer.shm_all_reduce.default, h, "0")
+    out = b.call(torch.ops.metainfer.shm_all_gather.default, r, 8, "0")
+    s = simulate(b.done(out), t)
+    nbytes = 64 * 4096 * 2
+    expected = (10e-6 + nbytes / 4e9) + (5e-6 + 8 * nbytes / 8e9)  # all-gather: its output
+    assert s.comm_seconds == pytest.approx(expected) and s.exposed_comm_seconds == pytest.approx(expected)

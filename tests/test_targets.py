@@ -193,3 +193,22 @@ def test_custom_op_costs_in_a_target_file():
         T.from_dict({**base, "device": {**base["device"], "custom_op_overhead_us": {"rope": -1}}})
     with pytest.raises(T.TargetError, match="custom_op_slowdown' must map op names to factors >= 1"):
         T.from_dict({**base, "device": {**base["device"], "custom_op_slowdown": {"rope": 0.5}}})
+
+
+def test_a_shared_memory_path_is_read_per_kind_and_refused_where_it_cannot_apply():
+    import tomllib
+
+    from metainfer.hardware import targets as t
+
+    cpu = tomllib.loads((t._BUILTIN_DIR / "cpu.toml").read_text())
+    cpu["collectives"]["shm"] = {"all_reduce": {"bandwidth_gbs": 4, "latency_us": 7}}
+    got = t.from_dict(cpu, "cpu+shm")
+    assert got.shm_links["all_reduce"].bandwidth == 4e9 and got.shm_links["all_reduce"].latency_s == pytest.approx(7e-6)
+    assert t.get("cpu").shm_links == {}
+    cpu["collectives"]["shm"]["all_to_all"] = {"bandwidth_gbs": 4, "latency_us": 7}
+    with pytest.raises(t.TargetError, match="collectives.shm.all_to_all"):
+        t.from_dict(cpu, "bad kind")
+    gpu = tomllib.loads((t._BUILTIN_DIR / "pcie8.toml").read_text())
+    gpu["collectives"]["shm"] = {"all_reduce": {"bandwidth_gbs": 4, "latency_us": 7}}
+    with pytest.raises(t.TargetError, match="CPU ranks on one host"):
+        t.from_dict(gpu, "gpu+shm")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import inspect
 import os
 import threading
 import time
@@ -108,6 +109,18 @@ def _own_entry(forward):
     return entry
 
 
+# torch 2.13's torch.compile(isolate_recompiles=True): every frame one call compiles (its entry,
+# and the frames around a graph break, such as transformers' decorator frames shared by every
+# model class) keeps its cache entries and recompile count in a region of that call's own; the
+# GPU machine's torch 2.11 has no such argument
+_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+ACCUMULATED_LIMIT = 4096  # Dynamo's cap on one code object's entries across all regions
+
+
+def _compile(fn, backend, dynamic):
+    return torch.compile(fn, backend=backend, dynamic=dynamic, **({"isolate_recompiles": True} if _ISOLATES else {}))
+
+
 class OptimizedModel:
     """The optimized callable: same call signature and outputs as the model; `.report` says
     what metainfer did. `generate()` runs the model's own generate() (Hugging Face, or a
@@ -119,9 +132,9 @@ class OptimizedModel:
         self.model = model
         self._backend = backend
         self._forward = model.forward  # bound; what the compiled graphs compute
-        self._compiled = torch.compile(_own_entry(self._forward), backend=backend, dynamic=dynamic)
+        self._compiled = _compile(_own_entry(self._forward), backend, dynamic)
         # a serving engine's packed steps change size every step: symbolic from the first one
-        self._compiled_packed = torch.compile(_own_entry(self._forward), backend=backend, dynamic=True)
+        self._compiled_packed = _compile(_own_entry(self._forward), backend, True)
         self._serve_compile = ServingCompile(self, serve_compile)
         self._dump_dir = dump_dir
         self._dumped_sections = 0
@@ -399,6 +412,7 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     # meet several shapes and masks
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, ACCUMULATED_LIMIT)
     return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile)
 
 

@@ -260,22 +260,10 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     coll = r.table("collectives", optional=single)
     backend = coll.choice("backend", ("nccl", "gloo"), default=_DEFAULT_BACKEND[kind] if single else None)
     overlap = coll._number("overlap", lambda v: 0 <= v <= 1, "in [0, 1]") if coll.get("overlap") is not None else 1.0
-    links = coll.table("links", optional=True)
-    collective_links = {}
-    for kind in sorted(links.data):
-        if kind not in COLLECTIVE_KINDS:
-            errors.append(f"field 'collectives.links.{kind}' is not one of the collectives {COLLECTIVE_KINDS}")
-        else:
-            collective_links[kind] = links.link(kind, required=True)
+    collective_links = _links_by_kind(coll, "links", COLLECTIVE_KINDS, errors)
     if collective_links and len(islands) > 1:
         errors.append("field 'collectives.links' is for one-island targets (the fits are of one link class)")
-    shm = coll.table("shm", optional=True)
-    shm_links = {}
-    for kind in sorted(shm.data):
-        if kind not in SHM_KINDS:
-            errors.append(f"field 'collectives.shm.{kind}' is not one of the collectives {SHM_KINDS}")
-        else:
-            shm_links[kind] = shm.link(kind, required=True)
+    shm_links = _links_by_kind(coll, "shm", SHM_KINDS, errors)
     if shm_links and device.kind != "cpu":
         errors.append("field 'collectives.shm' is for CPU ranks on one host (a GPU box's host-staged path is not "
                       "implemented)")
@@ -299,6 +287,18 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
                   pass_options=dict(pass_options), source=source,
                   collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap,
                   collective_links=collective_links, shm_links=shm_links)
+
+
+def _links_by_kind(coll: "_Reader", table: str, kinds: tuple[str, ...], errors: list[str]) -> dict[str, "LinkSpec"]:
+    """[collectives.<table>]: a link per collective kind, each one of `kinds`."""
+    links = coll.table(table, optional=True)
+    out = {}
+    for kind in sorted(links.data):
+        if kind not in kinds:
+            errors.append(f"field 'collectives.{table}.{kind}' is not one of the collectives {kinds}")
+        else:
+            out[kind] = links.link(kind, required=True)
+    return out
 
 
 def _cache_level(dev: "_Reader", errors: list[str]) -> dict[str, float]:

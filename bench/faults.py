@@ -6,7 +6,8 @@ files in /dev/shm).
 
     python bench/faults.py [--json]
 
-Faults: a rank killed (SIGKILL) while forwards run; a rank that never joins the job's
+Faults: a rank killed (SIGKILL) while forwards run (with gloo, and with the collectives on the
+shared-memory path, kernels/shm_collectives.py); a rank that never joins the job's
 collectives (it sleeps before its first one); a rank whose optimize() raises in a pass; two
 ranks issuing mismatched collectives (different sizes).
 """
@@ -107,8 +108,38 @@ def mismatched_collective(rank, world, folder):
     time.sleep(3600)
 
 
+def killed_mid_shm_forward(rank, world, folder):
+    """As killed_mid_forward, on a CPU target whose collectives take the shared-memory path."""
+    import dataclasses
+
+    import metainfer
+    from metainfer.hardware import targets
+    from metainfer.hardware.targets import SHM_KINDS, LinkSpec
+    from metainfer.testing import tiny_hf_model
+
+    base = targets.get("pcie8")
+    t = dataclasses.replace(base, name="cpu2+shm", num_devices=world,
+                            device=dataclasses.replace(base.device, kind="cpu"),
+                            topology=dataclasses.replace(base.topology, islands=(tuple(range(world)),), inter_island=None),
+                            collective_backend="gloo",
+                            shm_links={k: LinkSpec(bandwidth=10e9, latency_s=5e-6) for k in SHM_KINDS})
+    model = tiny_hf_model("Llama", "sdpa", layers=2)
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    opt = metainfer.optimize(model, t, example_inputs=(ids,), lowering="aot_eager", tensor_parallel=world)
+    assert opt.report.matches("select_collectives") > 0, "the job should run its collectives through shared memory"
+    if rank == 1:
+        def kill():
+            _mark(folder, rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.3, kill).start()
+    with torch.no_grad():
+        for _ in range(100_000):
+            opt(ids)
+
+
 FAULTS = {
     "rank 1 killed mid-forward": killed_mid_forward,
+    "rank 1 killed mid-forward, collectives through shared memory": killed_mid_shm_forward,
     "rank 1 never joins the job's collectives": never_joins,
     "rank 1 raises in a pass": raises_in_a_pass,
     "mismatched collective (all_reduce of 4 vs 8 elements)": mismatched_collective,

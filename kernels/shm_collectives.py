@@ -10,10 +10,10 @@ the system C compiler on first use into <cache>/shm_collectives/ ($METAINFER_CAC
 
 One segment per process group: `attach(group_name)` is collective over the group. Its first
 rank creates /dev/shm/metainfer-<pid>-<random> (space reserved with posix_fallocate, so a full
-/dev/shm is an error here and not a SIGBUS later), every rank maps it, the ranks agree through
-the group's own library that all of them did, then the name is unlinked: from then on the
-segment lives only as long as the processes that map it, and nothing is left behind when a
-rank dies. A rank waiting at a barrier notices a peer that died (its pid gone), a peer that
+/dev/shm is an error here and not a SIGBUS later), maps it and unlinks the name at once, keeping
+its descriptor; the others open it through /proc/<pid>/fd/<fd>; once the ranks agree that all
+of them mapped it the descriptor is closed. The segment lives only as long as the processes
+that map it: nothing is left behind, whenever a rank dies. A rank waiting at a barrier notices a peer that died (its pid gone), a peer that
 gave up (the abort word) or the group's timeout, and raises naming that rank and the step.
 """
 
@@ -147,23 +147,43 @@ def slot_bytes_for(world: int, free_bytes: int) -> int:
 
 
 class _Mapping:
-    """The segment mapped into this process (unlinked by the group's first rank once all mapped)."""
+    """The segment mapped into this process. The creating rank unlinks the name as soon as it
+    has mapped it and keeps its descriptor open until the peers have opened theirs through
+    /proc/<pid>/fd/<fd>: no name outlives the few microseconds of its creation, so no rank's
+    death at any point can leave a file in /dev/shm."""
 
     def __init__(self, path: Path, size: int, create: bool):
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self.fd = None
         try:
             if create:
+                os.unlink(path)  # the descriptor keeps it; the peers open /proc/<pid>/fd/<fd>
                 os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS on first touch
             elif os.fstat(fd).st_size != size:
                 raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
             self.mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if create:
+            self.fd = fd
+        else:
             os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self.mm)
         self.address = ctypes.addressof(self._anchor)
 
+    @property
+    def shared_path(self) -> str:
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def release_descriptor(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def close(self) -> None:
+        self.release_descriptor()
         self._anchor = None
         try:
             self.mm.close()
@@ -340,17 +360,18 @@ def attach(group_name: str, slot_bytes: int | None = None, exchange=None) -> Com
         slot_bytes = slot_bytes_for(world, _free_bytes())
         if not slot_bytes:
             why = f"{SHM_DIR} has {_free_bytes() / 2**20:.1f} MiB free, too little for {world} ranks' slots"
-    mapping = path = None
+    mapping = shared = None
     if me == 0 and why is None:
         path = SHM_DIR / f"metainfer-{os.getpid()}-{secrets.token_hex(6)}"
         try:
             mapping = _Mapping(path, _segment_bytes(world, slot_bytes), create=True)
             library().mi_init_header(mapping.address, world, slot_bytes)
+            shared = mapping.shared_path
         except OSError as e:
             path.unlink(missing_ok=True)
-            why, path = f"creating {path}: {e}", None
+            why = f"creating {path}: {e}"
     try:
-        name, slot_bytes, first_why = exchange((str(path) if path else None, slot_bytes, why))[0]
+        name, slot_bytes, first_why = exchange((shared, slot_bytes, why))[0]
         comm = None
         if me != 0 and why is None and name is not None:
             try:
@@ -364,8 +385,8 @@ def attach(group_name: str, slot_bytes: int | None = None, exchange=None) -> Com
                 why = str(e)
         verdicts = exchange(why if name is not None else first_why)
     finally:
-        if me == 0 and path is not None:
-            path.unlink(missing_ok=True)  # every rank has it mapped (or gave up): the name goes
+        if mapping is not None:
+            mapping.release_descriptor()  # every rank has it mapped (or gave up)
     failed = [(r, w) for r, w in enumerate(verdicts) if w is not None]
     if failed:
         if comm is not None:

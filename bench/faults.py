@@ -29,14 +29,14 @@ import torch.distributed as dist
 TIMEOUT_S = 60  # the job's budget after the rendezvous
 
 
-def _job(rank: int, world: int):
-    """The optimized TP model on this rank and its input."""
+def _job(rank: int, world: int, target="pcie8", emulate: bool = True):
+    """The optimized TP model on this rank and its input (pcie8 emulated on the ranks by default)."""
     import metainfer
     from metainfer.testing import tiny_hf_model
 
     model = tiny_hf_model("Llama", "sdpa", layers=2)
     ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    opt = metainfer.optimize(model, "pcie8", example_inputs=(ids,), emulate=True, lowering="aot_eager",
+    opt = metainfer.optimize(model, target, example_inputs=(ids,), emulate=emulate, lowering="aot_eager",
                              tensor_parallel=world)
     return opt, ids
 
@@ -46,16 +46,19 @@ def _mark(folder: str, rank: int) -> None:
         f.write(f"{time.time()} {rank}")
 
 
-def killed_mid_forward(rank, world, folder):
-    opt, ids = _job(rank, world)
+def _forwards_until_rank1_is_killed(opt, ids, rank, folder):
     if rank == 1:  # killed from a timer while this rank's forwards run (and its peer waits on them)
         def kill():
             _mark(folder, rank)
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Timer(0.3, kill).start()
     with torch.no_grad():
-        for _ in range(10_000):
+        for _ in range(100_000):
             opt(ids)
+
+
+def killed_mid_forward(rank, world, folder):
+    _forwards_until_rank1_is_killed(*_job(rank, world), rank, folder)
 
 
 def never_joins(rank, world, folder):
@@ -112,10 +115,8 @@ def killed_mid_shm_forward(rank, world, folder):
     """As killed_mid_forward, on a CPU target whose collectives take the shared-memory path."""
     import dataclasses
 
-    import metainfer
     from metainfer.hardware import targets
     from metainfer.hardware.targets import SHM_KINDS, LinkSpec
-    from metainfer.testing import tiny_hf_model
 
     base = targets.get("pcie8")
     t = dataclasses.replace(base, name="cpu2+shm", num_devices=world,
@@ -123,18 +124,9 @@ def killed_mid_shm_forward(rank, world, folder):
                             topology=dataclasses.replace(base.topology, islands=(tuple(range(world)),), inter_island=None),
                             collective_backend="gloo",
                             shm_links={k: LinkSpec(bandwidth=10e9, latency_s=5e-6) for k in SHM_KINDS})
-    model = tiny_hf_model("Llama", "sdpa", layers=2)
-    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    opt = metainfer.optimize(model, t, example_inputs=(ids,), lowering="aot_eager", tensor_parallel=world)
+    opt, ids = _job(rank, world, t, emulate=False)
     assert opt.report.matches("select_collectives") > 0, "the job should run its collectives through shared memory"
-    if rank == 1:
-        def kill():
-            _mark(folder, rank)
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Timer(0.3, kill).start()
-    with torch.no_grad():
-        for _ in range(100_000):
-            opt(ids)
+    _forwards_until_rank1_is_killed(opt, ids, rank, folder)
 
 
 FAULTS = {

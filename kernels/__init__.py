@@ -4,7 +4,8 @@ Kernels are plain functions here; `metainfer.kernels.ops` registers them as disp
 (torch.ops.metainfer.*, what the passes insert) and decides, per call, whether the Triton kernel
 or the CPU path runs. `configs` holds their launch configs per GPU architecture and target;
 `kv_pool` and `symm_mem` the runtime state some ops read (the serving step's KV pool, CUDA
-symmetric-memory buffers).
+symmetric-memory buffers); `shm_collectives` the collectives between CPU ranks of one host
+through a shared-memory segment (its C beside it).
 
 Triton's interpreter (which runs kernels on CPU tensors) is chosen when a kernel is
 *decorated*, so the switch is made when the metainfer package is imported, before anything

@@ -3,15 +3,17 @@ stubbed out: what a decode step pays in Python before any kernel runs.
 
     python bench/launch_overhead.py [--calls 400] [--repeats 5] [--json]
 
-Each op is called through its dispatch (`torch.ops.metainfer.*`; the paged kernel through its
-launcher, its op reads the engine's pool) on decode-sized CPU tensors; the attention ops see a
+Each op is called two ways: as Inductor's wrapper calls it (`kernels.ops.direct.*`, the plain
+function, lowering/direct_calls.py) and through the dispatcher (`torch.ops.metainfer.*`, as eager
+code and the aot_eager lowering call it); the paged kernel through its launcher (its op reads the
+engine's pool). Decode-sized CPU tensors; the attention ops see a
 context one key longer at each call (16 lengths in turn), as decode steps do, with the
 launchers deciding as on an sm_89 GPU (lowering/aot.py's recording: every `kernel[grid](...)`
 is dropped, only its kernel's name kept, so what is timed is dispatch, input checks, config
 lookup, grid and workspace set-up). The first line is a yardstick: an op with an empty body, the dispatcher's floor (this
 VM's speed moves by tens of percent between runs). Median over `--repeats` runs of `--calls` calls, in microseconds per call; the
 machine and its load are printed beside them. `--json`: the last line is
-{"ops": {"op name": microseconds, ...}, "yardstick_us": ...}.
+{"ops": {"op name": microseconds as Inductor calls it, ...}, "dispatch": {...}, "yardstick_us": ...}.
 
 On a GPU these costs add up per layer per step unless the step is replayed from a CUDA graph;
 a CPU's figures are an upper bound of a GPU host's (faster cores), not a GPU measurement.
@@ -34,20 +36,20 @@ import torch  # noqa: E402
 
 from metainfer import kernels  # noqa: E402
 from metainfer.kernels import paged_attention  # noqa: E402
-from metainfer.kernels import ops  # noqa: E402,F401  (registers torch.ops.metainfer)
+from metainfer.kernels import ops  # noqa: E402  (registers torch.ops.metainfer; ops.direct)
 from metainfer.lowering import aot  # noqa: E402
 from metainfer.kernels.configs import config_for  # noqa: E402
 
 
-def cases() -> dict:
-    """op name -> a call of one decode-sized step of it (batch 4, one new token each)."""
+def cases(mi) -> dict:
+    """op name -> a call of one decode-sized step of it (batch 4, one new token each), calling
+    the ops through `mi` (torch.ops.metainfer or kernels.ops.direct)."""
     g = torch.Generator().manual_seed(0)
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
 
     def randn(*shape, dtype=bf16):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    mi = torch.ops.metainfer
     B, H, Hkv, D, S, STEPS = 4, 32, 8, 128, 1024, 16
     q = randn(B, H, 1, D)
     k, v = randn(B, Hkv, S + STEPS, D), randn(B, Hkv, S + STEPS, D)
@@ -149,13 +151,16 @@ def main(argv=None) -> int:
           f"launches stubbed, decisions as on sm_89")
     floor = round(yardstick(a.calls, a.repeats), 2)
     print(f"  {'(yardstick: an empty two-argument op)':40s} {floor:8.2f} us/call", flush=True)
-    results = {}
+    print(f"  {'us per call':40s} {'direct':>8s} {'dispatch':>9s}  (direct: as Inductor's wrapper calls the op)")
+    results, dispatched = {}, {}
     with kernels.interpret(True), aot._recording(89, names_only=True) as launches:
-        for name, call in cases().items():
-            results[name] = round(measure(call, a.calls, a.repeats, launches), 1)
-            print(f"  {name:40s} {results[name]:8.1f} us/call", flush=True)
+        direct, dispatch = cases(ops.direct), cases(torch.ops.metainfer)
+        for name in direct:
+            results[name] = round(measure(direct[name], a.calls, a.repeats, launches), 1)
+            dispatched[name] = round(measure(dispatch[name], a.calls, a.repeats, launches), 1)
+            print(f"  {name:40s} {results[name]:8.1f} {dispatched[name]:9.1f}", flush=True)
     if a.json:
-        print(json.dumps({"ops": results, "yardstick_us": floor}))
+        print(json.dumps({"ops": results, "dispatch": dispatched, "yardstick_us": floor}))
     return 0
 
 

@@ -132,6 +132,9 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Bumped by kernels/configs.activate: plans that looked their config up are made again.
+CONFIG_GENERATION = 0
+
 # Set by lowering/aot.py while it records launches for a GPU architecture it compiles for
 # ahead of time: launchers then decide as they would on a GPU of that compute capability.
 AOT_CAPABILITY: tuple[int, int] | None = None
@@ -251,17 +254,21 @@ class LaunchPlans:
         self._plans: dict = {}
         self._limit = limit
 
-    def get(self, key: tuple, config, build):
-        key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH)
+    def get(self, key: tuple, config, build, *build_args):
+        """The plan for `key` made from `config`, else `build(*build_args)`'s (arguments, not a
+        closure: a lambda over the launcher's locals would turn each of them into a cell). `config` None: the launcher
+        looks its config up inside `build` (an op's call), and the plan lasts until a target
+        activates other rows (CONFIG_GENERATION)."""
+        key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH, CONFIG_GENERATION if config is None else -1)
         try:
             hit = self._plans.get(key)
         except TypeError:  # an unhashable argument: the build's checks say what is wrong with it
-            return build()
+            return build(*build_args)
         if hit is not None and hit[0] is config:
             return hit[1]
         if len(self._plans) >= self._limit:
             self._plans.clear()
-        plan = build()
+        plan = build(*build_args)
         self._plans[key] = (config, plan)
         return plan
 
@@ -302,29 +309,35 @@ def _fit_key(kernel: str, config: dict, args) -> tuple:
     return kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), shapes
 
 
-def retries_smaller(kernel: str):
+def retries_smaller(kernel: str, default_config=None):
     """A launcher decorator: when Triton refuses the launch for want of shared memory or registers
     (OutOfResources, raised before anything runs), launch again with `smaller_config` until one
     fits, and reuse that config for the same launcher, config and dtypes / last dims. Each shrink
-    is warned of once, naming the kernel and both configs."""
+    is warned of once, naming the kernel and both configs. A launch called with config=None uses
+    `default_config(*args)`'s row (the launcher looks it up itself while the row fits)."""
 
     def wrap(launch):
         @functools.wraps(launch)
-        def launcher(*args, config: dict, **kwargs):
-            # the key is built only once some launch was refused: nothing added to a launch that fits
-            cfg = _fitted.get(_fit_key(kernel, config, args), config) if _fitted else config
+        def launcher(*args, config: dict | None = None, **kwargs):
+            cfg = config
+            # nothing added to a launch that fits: the key is built only once some launch was refused
+            if _fitted:
+                base = config if config is not None else default_config(*args)
+                cfg = _fitted.get(_fit_key(kernel, base, args), config)
             while True:
                 try:
                     out = launch(*args, config=cfg, **kwargs)
                 except _out_of_resources() as e:
-                    smaller = smaller_config(cfg)
+                    current = cfg if cfg is not None else default_config(*args)
+                    smaller = smaller_config(current)
                     if smaller is None:
                         raise
-                    warnings.warn(f"{kernel}: {e}; retrying with {smaller} instead of {cfg}", stacklevel=2)
+                    warnings.warn(f"{kernel}: {e}; retrying with {smaller} instead of {current}", stacklevel=2)
                     cfg = smaller
                     continue
                 if cfg is not config:
-                    _fitted[_fit_key(kernel, config, args)] = cfg
+                    base = config if config is not None else default_config(*args)
+                    _fitted[_fit_key(kernel, base, args)] = cfg
                 return out
         return launcher
     return wrap

@@ -5,11 +5,13 @@ several programs share one row's keys, each keeping its own online-softmax state
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreted, next_pow2, strides_as
+from ._common import cdiv, interpreted, next_pow2
 
 
 @triton.jit
@@ -70,14 +72,6 @@ def normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS: tl.constexpr):
 def mask_kind(mask) -> int:
     """The kernels' MASK_KIND: 0 no mask, 1 additive (float), 2 keep (bool)."""
     return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
-
-
-def mask_operand(mask, like: torch.Tensor, shape: tuple) -> tuple:
-    """(tensor, strides) the kernels read a mask through: the mask broadcast to `shape` (stride 0
-    on broadcast dims, nothing copied); without one, `like` and zero strides (never read)."""
-    if mask is None:
-        return like, (0, 0, 0, 0)
-    return mask, strides_as(mask, shape)
 
 
 def dot_flags(dtype: torch.dtype) -> dict:
@@ -146,9 +140,14 @@ def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, splits: int, out: 
     default: contiguous) the merge of the `splits` partial
     results in `split_workspace`'s buffers: one small launch. A row no split kept a key for gives
     NaN, or 0 with `zero_empty_rows`, as the unsplit kernels do."""
+    grid, meta = _combine_launch(rows, dim, bool(zero_empty_rows))
+    _combine_splits[grid](ws_acc, ws_ml, out, rows, dim, splits, dim if row_stride is None else row_stride, **meta)
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_launch(rows: int, dim: int, zero_empty_rows: bool) -> tuple[tuple, dict]:
+    """combine_splits' grid and constants (a decode step asks for the same ones every step)."""
     block_d = next_pow2(dim)
     block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
-    _combine_splits[(cdiv(rows, block_r),)](
-        ws_acc, ws_ml, out, rows, dim, splits, dim if row_stride is None else row_stride,
-        ZERO_EMPTY_ROWS=bool(zero_empty_rows), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-    )
+    return (cdiv(rows, block_r),), dict(ZERO_EMPTY_ROWS=zero_empty_rows, BLOCK_R=block_r, BLOCK_D=block_d,
+                                        num_warps=4)

@@ -35,10 +35,11 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._flash import (combine_splits, dot, mask_operand, flash_meta, masked_scores, normalise, soft_cap, softmax_step,
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from ._flash import (combine_splits, dot, flash_meta, masked_scores, normalise, soft_cap, softmax_step,
                      split_workspace)
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
-                      check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
+                      check_qkv, fail, next_pow2, retries_smaller, SplitRule, strides_as, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -179,13 +180,18 @@ _MAX_Q_BUCKET, _MAX_K_BUCKET = 256, 16384
 
 class _Launch:
     """What a launch decides from everything but the key count and causal offset (a decode step's
-    context grows by one each step; those two are read per call): blocks, constexprs, tuner."""
+    context grows by one each step; those two are read per call): blocks, constexprs, tuner, and
+    the kernel's arguments that follow from the signature."""
 
-    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "q_blocks", "split", "meta", "candidates")
+    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "bh", "q_blocks", "split", "meta", "meta_split", "candidates",
+                 "contiguous_out", "head", "dims", "tail", "last")
 
-    def __init__(self, q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune):
+    def __init__(self, q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, config):
+        autotune = _common.autotune_enabled(q.device)
         B, Hq, Sq, D = q.shape
         self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, k.shape[1], v.shape[3]
+        Dv = self.Dv
+        self.bh = B * Hq
         # a decode step's few query rows get a tile of 16 rows, not 128 mostly masked off
         rows_cap = max(16, next_pow2(Sq))
 
@@ -204,77 +210,92 @@ class _Launch:
         tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n) if len(self.candidates) <= 1 else {}
         self.meta = flash_meta(q.dtype, mask, causal, zero_empty_rows, fixed if tiles else None,
                                SOFTCAP=softcap > 0, WINDOW=window > 0, **tiles,
-                               BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(self.Dv)))
+                               BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)), SPLIT=False)
+        self.meta_split = {**self.meta, "SPLIT": True}
+        self.contiguous_out = Dv == D and q.is_contiguous()
+        # the kernel's arguments around the key count, the causal offset and the split length
+        self.head = (*q.stride(), *k.stride(), *v.stride())
+        self.dims = (Hq * Sq * Dv, Sq * Dv, Dv, 1, Hq, Hq // self.Hkv, Sq)
+        self.tail = (D, Dv, float(scale))
+        self.last = (float(softcap or 1.0), int(window))
 
 
 _launches = LaunchPlans()
 
 
-def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, autotune) -> tuple | None:
+def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -> tuple | None:
     """Everything check_inputs and _Launch read but the key count and causal offset; None
     when the inputs are not 4-D tensors (check_inputs then says what is wrong)."""
     try:
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
-        return (q.shape, q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device, Bv, Hv, Dv, v.dtype, v.device,
-                mask_sig, scale, causal, zero_empty_rows, softcap, window, autotune)
+        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.stride(), k.dtype, k.device,
+                Bv, Hv, Dv, v.stride(), v.dtype, v.device, mask_sig, scale, causal, zero_empty_rows, softcap, window)
     except (AttributeError, ValueError, TypeError):
         return None
 
 
-@retries_smaller(NAME)
+def default_config(q, k, v, *args) -> dict:
+    """The config row for these inputs on their device (kernels/configs.py)."""
+    return configs.config_for(NAME, q.device, head_dim=max(q.shape[-1], v.shape[-1]), dtype=q.dtype)
+
+
+@retries_smaller(NAME, default_config)
 def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_empty_rows: bool = False,
-           softcap: float = 0.0, window: int = 0, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` (kernels/configs.py) holds BLOCK_M, BLOCK_N,
+           softcap: float = 0.0, window: int = 0, *, config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel. `config` (kernels/configs.py; None: the row for the inputs' device,
+    head dim and dtype, looked up once per signature) holds BLOCK_M, BLOCK_N,
     num_warps, num_stages; the key split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to
     force a count, see _common.split_count); and AUTOTUNE, alternatives that triton.autotune times
     against the row's own config on a CUDA GPU (elsewhere the row's config runs).
 
     The checks and decisions that do not depend on the key count are made once per signature
     (`_launches`); per call only the key count, the causal offset and the mask's shape are checked."""
-    autotune = _common.autotune_enabled(q.device)
-    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, autotune)
+    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window)
     if signature is None:
         check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    plan = _launches.get(signature, config, lambda: _checked_launch(q, k, v, mask, scale, causal, causal_offset,
-                                                                    zero_empty_rows, softcap, window, config,
-                                                                    autotune))
+    plan = _launches.get(signature, config, _checked_launch, q, k, v, mask, scale, causal, causal_offset,
+                         zero_empty_rows, softcap, window, config)
     Sk = k.shape[2]
-    B, Hq, Sq, Dv = plan.B, plan.Hq, plan.Sq, plan.Dv
     if not (v.shape[2] == Sk and type(causal_offset) is int
-            and (mask is None or broadcasts_to(mask.shape, (B, Hq, Sq, Sk)))):
+            and (mask is None or broadcasts_to(mask.shape, (plan.B, plan.Hq, plan.Sq, Sk)))):
         check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
-    if B * Hq * Sq * Dv == 0:
+    out = torch.empty_like(q) if plan.contiguous_out else q.new_empty((plan.B, plan.Hq, plan.Sq, plan.Dv))
+    if not plan.dims[0] * plan.B:
         return out
-    m, mstrides = mask_operand(mask, q, (B, Hq, Sq, Sk))
+    if mask is None:
+        m, mstrides = q, (0, 0, 0, 0)
+    else:
+        m, mstrides = mask, strides_as(mask, (plan.B, plan.Hq, plan.Sq, Sk))
     splits, split_keys = plan.split(Sk) if plan.split is not None else (1, max(Sk, 1))
     if splits > 1:
         if splits > GRID_YZ_MAX:
-            check_grid((B * Hq, plan.q_blocks, splits), NAME, f"{Sq} query rows")
-        ws_acc, ws_ml = split_workspace(splits, B * Hq * Sq, Dv, q)
+            check_grid((plan.bh, plan.q_blocks, splits), NAME, f"{plan.Sq} query rows")
+        ws_acc, ws_ml = split_workspace(splits, plan.bh * plan.Sq, plan.Dv, q)
+        meta = plan.meta_split
     else:
         ws_acc = ws_ml = out  # not written
-    args = (q, k, v, m, out, ws_acc, ws_ml,
-            *q.stride(), *k.stride(), *v.stride(), *mstrides, Hq * Sq * Dv, Sq * Dv, Dv, 1,
-            Hq, Hq // plan.Hkv, Sq, Sk, plan.D, Dv,
-            float(scale), int(causal_offset), split_keys, float(softcap or 1.0), int(window))
+        meta = plan.meta
+    args = (q, k, v, m, out, ws_acc, ws_ml, *plan.head, *mstrides, *plan.dims, Sk, *plan.tail,
+            causal_offset, split_keys, *plan.last)
     if len(plan.candidates) > 1:
+        B, Hq, Sq = plan.B, plan.Hq, plan.Sq
         bucket = (min(next_pow2(Sq), _MAX_Q_BUCKET), min(next_pow2(Sk), _MAX_K_BUCKET))
         tuned = autotuned(_attention_fwd, plan.candidates, _TUNE_KEY, bucket)
-        tuned[lambda meta: (B * Hq, cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **plan.meta, SPLIT=splits > 1)
+        tuned[lambda meta: (B * Hq, cdiv(Sq, meta["BLOCK_M"]), splits)](*args, **meta)
     else:
-        _attention_fwd[(B * Hq, plan.q_blocks, splits)](*args, **plan.meta, SPLIT=splits > 1)
+        _attention_fwd[(plan.bh, plan.q_blocks, splits)](*args, **meta)
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, splits, out, B * Hq * Sq, Dv, zero_empty_rows)
+        combine_splits(ws_acc, ws_ml, splits, out, plan.bh * plan.Sq, plan.Dv, zero_empty_rows)
     return out
 
 
-def _checked_launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config,
-                    autotune) -> _Launch:
+def _checked_launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config
+                    ) -> _Launch:
     check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    return _Launch(q, k, v, mask, causal, zero_empty_rows, softcap, window, config, autotune)
+    return _Launch(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window,
+                   default_config(q, k, v) if config is None else config)
 
 
 def _keep_mask(Sq: int, Sk: int, causal_offset: int, device, window: int = 0, key_start: int = 0) -> torch.Tensor:

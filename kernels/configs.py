@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from metainfer.kernels import _common
 from metainfer.kernels._common import TUNED_KEYS
 
 # Attention rows are keyed by the largest head dim they serve at 2 bytes an element (registers
@@ -116,6 +117,7 @@ def activate(target) -> None:
         raise ValueError(f"target {target.name!r}: [kernels] names unknown kernels {sorted(unknown)}; "
                          f"known: {list(KERNELS)}")
     _active[target.device.kind] = (target.device.arch, {k: dict(v) for k, v in target.kernels.items()})
+    _common.CONFIG_GENERATION += 1  # launch plans that looked their rows up are made again
 
 
 def _row(device: torch.device) -> tuple[str, dict]:

@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from . import _common
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._common import (fail, cdiv, retries_smaller, LaunchPlans, signature, TUNED_KEYS, as_rows, rows_of, autotuned, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
@@ -296,14 +297,18 @@ class _Launch:
     """A launch's checks and decisions for one signature (a decode step's rows and weight shapes
     repeat every step): blocks, split-K, constexprs, tuner."""
 
-    __slots__ = ("M", "N", "K", "stride_xm", "grid", "splits", "k_per_split", "meta", "native", "tuned", "sum_block")
+    __slots__ = ("M", "N", "K", "stride_xm", "grid", "splits", "k_per_split", "meta", "native", "tuned",
+                 "out_shape", "weight_strides", "sum_grid", "sum_meta")
 
     def __init__(self, args: tuple, config):
         check_inputs(*args)
-        x, w, _, bias, block_n, block_k, act_quant = args
+        x, w, scale_inv, bias, block_n, block_k, act_quant = args
+        config = default_config(x) if config is None else config
         M, self.stride_xm = rows_of(NAME, "x", x)
         (N, K), has_bias, dtype, device = w.shape, bias is not None, x.dtype, x.device
         self.M, self.N, self.K = M, N, K
+        self.out_shape = (*x.shape[:-1], N)
+        self.weight_strides = (*w.stride(), *scale_inv.stride(), N)
         if M * N == 0:
             self.grid = None
             return
@@ -334,7 +339,9 @@ class _Launch:
             UPCAST=dtype == torch.float32 or (interpreted() and dtype == torch.bfloat16),
         )
         self.native, self.splits, self.k_per_split = plan["FP8_NATIVE"], splits, k_per_split
-        self.sum_block = row.get("SUM_BLOCK", 1024)
+        block = row.get("SUM_BLOCK", 1024)
+        self.sum_grid = (cdiv(M * N, block),)
+        self.sum_meta = dict(HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
         if len(candidates) > 1:
             self.tuned = autotuned(_fp8_gemm_fwd, candidates, _TUNE_KEY, (bucket, splits))
             self.grid = lambda meta: (cdiv(M, meta["BLOCK_M"]), cdiv(N, meta["BLOCK_N"]), splits)
@@ -348,17 +355,22 @@ class _Launch:
 _launches = LaunchPlans()
 
 
-@retries_smaller(NAME)
-def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` (kernels/configs.py) holds BLOCK_M, BLOCK_N,
+def default_config(x, *args) -> dict:
+    """The config row for the input's device (kernels/configs.py)."""
+    return configs.config_for(NAME, x.device)
+
+
+@retries_smaller(NAME, default_config)
+def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *,
+           config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel. `config` (kernels/configs.py; None: the device's row) holds BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
     alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
     args = (x, w, scale_inv, bias, block_n, block_k, act_quant)
-    plan = _launches.get((signature(*args), _common.autotune_enabled(x.device)), config,
-                         lambda: _Launch(args, config))
-    M, N, K = plan.M, plan.N, plan.K
-    out = x.new_empty((*x.shape[:-1], N))
+    plan = _launches.get(signature(*args), config, _Launch, args, config)
+    M, N = plan.M, plan.N
+    out = x.new_empty(plan.out_shape)
     if plan.grid is None:
         return out
     if act_quant:
@@ -375,18 +387,13 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     splits = plan.splits
     partial = x.new_empty((splits, M, N), dtype=torch.float32) if splits > 1 else out
     args = (a, xs, wk, scale_inv, bias if bias is not None else out, out, partial,
-            M, N, K, block_n, block_k, plan.k_per_split,
-            stride_am, *xs_strides, *w.stride(), *scale_inv.stride(), N)
+            M, N, plan.K, block_n, block_k, plan.k_per_split, stride_am, *xs_strides, *plan.weight_strides)
     if plan.tuned is None:
         _fp8_gemm_fwd[plan.grid](*args, **plan.meta)
     else:
         plan.tuned[plan.grid](*args, **plan.meta)
     if splits > 1:
-        block = plan.sum_block
-        _sum_splits[(cdiv(M * N, block),)](
-            partial, bias if bias is not None else out, out, N, M * N, splits, N,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )
+        _sum_splits[plan.sum_grid](partial, bias if bias is not None else out, out, N, M * N, splits, N, **plan.sum_meta)
     return out
 
 

@@ -45,10 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (combine_splits, dot, mask_operand, flash_meta, masked_scores, normalise, softmax_step,
+from ._flash import (combine_splits, dot, flash_meta, masked_scores, normalise, softmax_step,
                      split_workspace)
 from ._common import (dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
-                      check_grid, next_pow2)
+                      check_grid, next_pow2, strides_as)
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -218,9 +219,11 @@ class _Launch:
     """What a launch decides from everything but the cache length and causal offset (read per
     call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
 
-    __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta")
+    __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta", "meta_split",
+                 "contiguous_out", "head", "dims")
 
-    def __init__(self, q_latent, q_pe, indices, mask, causal, zero_empty_rows, config):
+    def __init__(self, q_latent, q_pe, ckv, kpe, indices, mask, causal, zero_empty_rows, config):
+        config = default_config(q_latent) if config is None else config
         B, H, Sq, R = q_latent.shape
         P = q_pe.shape[3]
         self.B, self.H, self.Sq, self.R, self.P = B, H, Sq, R, P
@@ -238,7 +241,13 @@ class _Launch:
         self.split = SplitRule(config, Sq * B * self.head_blocks, block_n)
         self.meta = flash_meta(q_latent.dtype, mask, causal, zero_empty_rows, config, HAS_INDICES=indices is not None,
                                BLOCK_H=block_h, BLOCK_N=block_n,
-                               BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)))
+                               BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)), SPLIT=False)
+        self.meta_split = {**self.meta, "SPLIT": True}
+        self.contiguous_out = q_latent.is_contiguous()  # empty_like(q_latent) is then contiguous
+        # the kernel's arguments that follow from the signature, around the per-call ones
+        self.head = (*q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(),
+                     *((0, 0, 0) if indices is None else indices.stride()))
+        self.dims = (H * Sq * R, Sq * R, R, 1, H, self.head_blocks)
 
 
 _launches = LaunchPlans()
@@ -250,49 +259,54 @@ def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empt
     try:
         Bc, _, Rc = ckv.shape
         Bk, _, Pk = kpe.shape
-        index_sig = None if indices is None else (indices.shape, indices.dtype, indices.device)
+        index_sig = None if indices is None else (indices.shape, indices.stride(), indices.dtype, indices.device)
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
-        return (q_latent.shape, q_latent.dtype, q_latent.device, q_pe.shape, q_pe.dtype, q_pe.device,
-                Bc, Rc, ckv.dtype, ckv.device, Bk, Pk, kpe.dtype, kpe.device, index_sig, mask_sig,
-                scale, causal, zero_empty_rows)
+        return (q_latent.shape, q_latent.stride(), q_latent.dtype, q_latent.device, q_pe.shape, q_pe.stride(),
+                q_pe.dtype, q_pe.device, Bc, Rc, ckv.stride(), ckv.dtype, ckv.device, Bk, Pk, kpe.stride(),
+                kpe.dtype, kpe.device, index_sig, mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
         return None
 
 
-@retries_smaller(NAME)
+def default_config(q_latent, *args) -> dict:
+    """The config row for the inputs' device (kernels/configs.py)."""
+    return configs.config_for(NAME, q_latent.device)
+
+
+@retries_smaller(NAME, default_config)
 def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, causal_offset: int,
-           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages, and the key
+           zero_empty_rows: bool = False, *, config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel. `config` (None: the device's row) holds BLOCK_H, BLOCK_N, num_warps, num_stages, and the key
     split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count; _common.SplitRule).
     Checks and decisions that do not depend on the cache length are made once per signature."""
     args = (q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     signature = _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows)
     if signature is None:
         check_inputs(*args)
-    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    plan = _launches.get(signature, config, _checked_launch, args, config)
     T = ckv.shape[1]
     B, H, Sq, R = plan.B, plan.H, plan.Sq, plan.R
     if not (kpe.shape[1] == T > 0 and type(causal_offset) is int
             and (mask is None or broadcasts_to(mask.shape, (B, H, Sq, T)))):
         check_inputs(*args)
-    out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+    out = (torch.empty_like(q_latent) if plan.contiguous_out
+           else torch.empty_like(q_latent, memory_format=torch.contiguous_format))
     if B * H * Sq * R == 0:
         return out
-    m, mstrides = mask_operand(mask, q_latent, (B, H, Sq, T))
-    idx, istrides = (q_latent, (0, 0, 0)) if indices is None else (indices, indices.stride())
+    m, mstrides = (q_latent, (0, 0, 0, 0)) if mask is None else (mask, strides_as(mask, (B, H, Sq, T)))
+    idx = q_latent if indices is None else indices
     splits, split_keys = plan.split(T if indices is None else plan.topk)
     if splits > 1:
         if splits > GRID_YZ_MAX:
             check_grid((B * plan.head_blocks, Sq, splits), NAME, f"{Sq} query rows")
         ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent)
+        meta = plan.meta_split
     else:
         ws_acc = ws_ml = out  # not written
+        meta = plan.meta
     _mla_fwd[(B * plan.head_blocks, Sq, splits)](
-        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml,
-        *q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(), *istrides, *mstrides,
-        H * Sq * R, Sq * R, R, 1,
-        H, plan.head_blocks, T, plan.topk, R, plan.P,
-        float(scale), causal_offset, split_keys, SPLIT=splits > 1, **plan.meta,
+        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml, *plan.head, *mstrides, *plan.dims,
+        T, plan.topk, R, plan.P, float(scale), causal_offset, split_keys, **meta,
     )
     if splits > 1:
         combine_splits(ws_acc, ws_ml, splits, out, B * H * Sq, R, zero_empty_rows)
@@ -301,8 +315,8 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
 
 def _checked_launch(args: tuple, config) -> _Launch:
     check_inputs(*args)
-    q_latent, q_pe, _, _, indices, mask, _, causal, _, zero_empty_rows = args
-    return _Launch(q_latent, q_pe, indices, mask, causal, zero_empty_rows, config)
+    q_latent, q_pe, ckv, kpe, indices, mask, _, causal, _, zero_empty_rows = args
+    return _Launch(q_latent, q_pe, ckv, kpe, indices, mask, causal, zero_empty_rows, config)
 
 
 def reference(q_latent, q_pe, ckv, kpe, indices=None, mask=None, scale=None, causal=False,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot, dot_flags
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
                       next_pow2, signature)
 
@@ -375,18 +376,32 @@ def launch_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     """(sorted_pair_ids, expert_of_block) as `align_by_expert` gives them, from one launch of
     `_moe_align` (one program: meant for decode's few pairs, see ALIGN_MAX_PAIRS)."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    P = ids.numel()
-    n_tiles = max_tiles(P, num_experts, block_m)
-    sorted_pairs = ids.new_empty(n_tiles * block_m, dtype=torch.int32 if P < 2**31 - 1 else torch.long)
-    expert_of_block = ids.new_empty(n_tiles, dtype=torch.long)
-    if n_tiles:
-        _moe_align[(1,)](ids, sorted_pairs, expert_of_block, P, num_experts, n_tiles * block_m,
-                         BLOCK_M=block_m, BLOCK_P=_ALIGN_BLOCK_P, BLOCK_E=max(16, next_pow2(num_experts)),
-                         BLOCK_R=_ALIGN_BLOCK_R, num_warps=4)
-    return sorted_pairs, expert_of_block
+    return _Align(ids.numel(), num_experts, block_m)(ids)
 
 
 _ALIGN_BLOCK_P, _ALIGN_BLOCK_R = 64, 64  # pairs and rows per step of _moe_align's loops
+
+
+class _Align:
+    """`launch_align` for P pairs over E experts in tiles of BLOCK_M, its sizes and constants
+    decided once (a decode step routes the same number of pairs every step)."""
+
+    __slots__ = ("P", "E", "rows", "n_tiles", "pair_dtype", "meta")
+
+    def __init__(self, P: int, E: int, block_m: int):
+        self.P, self.E, self.n_tiles = P, E, max_tiles(P, E, block_m)
+        self.rows = self.n_tiles * block_m
+        self.pair_dtype = torch.int32 if P < 2**31 - 1 else torch.long
+        self.meta = dict(BLOCK_M=block_m, BLOCK_P=_ALIGN_BLOCK_P, BLOCK_E=max(16, next_pow2(E)),
+                         BLOCK_R=_ALIGN_BLOCK_R, num_warps=4)
+
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: the contiguous (token, k) expert ids."""
+        sorted_pairs = ids.new_empty(self.rows, dtype=self.pair_dtype)
+        expert_of_block = ids.new_empty(self.n_tiles, dtype=torch.long)
+        if self.n_tiles:
+            _moe_align[(1,)](ids, sorted_pairs, expert_of_block, self.P, self.E, self.rows, **self.meta)
+        return sorted_pairs, expert_of_block
 
 
 def _clamped_blocks(config: dict, fp8: bool, block_n: int, block_k: int) -> tuple[int, int, int]:
@@ -403,10 +418,12 @@ class _Launch:
     """A launch's checks and decisions for one signature (a decode step's token count, top-k and
     weights repeat every step): blocks, tile bound, grids, strides, constexprs."""
 
-    __slots__ = ("T", "H", "I", "K", "E", "P", "BM", "n_tiles", "align_in_one", "grids", "strides", "meta")
+    __slots__ = ("T", "H", "I", "K", "E", "P", "BM", "n_tiles", "align", "ids_contiguous", "grids", "strides",
+                 "meta", "same_layout", "ids_strides")
 
     def __init__(self, args: tuple, config):
         check_inputs(*args)
+        config = default_config(args[0]) if config is None else config
         x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k = args
         T, H = x.shape
         K = topk_ids.shape[1]
@@ -420,7 +437,10 @@ class _Launch:
                        f"float8_e4m3fn, this one is {cap[0]}.{cap[1]}; dequantise the weights or use cpu_forward")
         self.T, self.H, self.I, self.K, self.E, self.P, self.BM = T, H, I, K, E, T * K, BM
         self.n_tiles = max_tiles(T * K, E, BM)
-        self.align_in_one = T * K <= config.get("ALIGN_MAX_PAIRS", 0)
+        # decode's few pairs are sorted by expert in one program, else by torch ops
+        self.align = _Align(T * K, E, BM) if T * K <= config.get("ALIGN_MAX_PAIRS", 0) else None
+        self.ids_contiguous, self.ids_strides = topk_ids.is_contiguous(), topk_ids.stride()
+        self.same_layout = x.is_contiguous()  # empty_like(x) is then contiguous
         self.grids = ((self.n_tiles, cdiv(I, BN)), (self.n_tiles, cdiv(H, BN)), (T, cdiv(H, _SUM_BLOCK_H)))
         zeros = (0, 0, 0)  # unused scale pointers get zero strides
         sg, su, sd = (s_gate.stride(), s_up.stride(), s_down.stride()) if fp8 else (zeros, zeros, zeros)
@@ -437,19 +457,25 @@ _SUM_BLOCK_H = 1024  # hidden columns per program of _moe_sum
 _launches = LaunchPlans()
 
 
-@retries_smaller(NAME)
+def default_config(x, *args) -> dict:
+    """The config row for the input's device (kernels/configs.py)."""
+    return configs.config_for(NAME, x.device)
+
+
+@retries_smaller(NAME, default_config)
 def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
-           block_n: int = 128, block_k: int = 128, *, config: dict) -> torch.Tensor:
-    """Route, run the two GEMM kernels, sum each token's pairs. `config`: BLOCK_M, BLOCK_N,
-    BLOCK_K, num_warps, num_stages, ALIGN_MAX_PAIRS. Checks and decisions once per signature."""
+           block_n: int = 128, block_k: int = 128, *, config: dict | None = None) -> torch.Tensor:
+    """Route, run the two GEMM kernels, sum each token's pairs. `config` (None: the device's row):
+    BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, ALIGN_MAX_PAIRS. Checks and decisions once
+    per signature."""
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
-    plan = _launches.get(signature(*args), config, lambda: _Launch(args, config))
+    plan = _launches.get(signature(*args), config, _Launch, args, config)
     T, H, I, K, E, P = plan.T, plan.H, plan.I, plan.K, plan.E, plan.P
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(x) if plan.same_layout else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
-    if plan.align_in_one:
-        sorted_pairs, expert_of_block = launch_align(topk_ids, E, plan.BM)
+    if plan.align is not None:
+        sorted_pairs, expert_of_block = plan.align(topk_ids if plan.ids_contiguous else topk_ids.contiguous())
     else:
         sorted_pairs, expert_of_block, _ = align_by_expert(topk_ids, E, plan.BM)
     h = x.new_empty((plan.n_tiles * plan.BM, I))
@@ -467,7 +493,7 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
         h, w_down, s_down, sorted_pairs, expert_of_block, topk_weights, out_pairs,
         P, K, E, H, I, block_n, block_k, *strides_down, **plan.meta,
     )
-    _moe_sum[grid_sum](out_pairs, topk_ids, out, E, K, H, *topk_ids.stride(), BLOCK_H=_SUM_BLOCK_H, num_warps=4)
+    _moe_sum[grid_sum](out_pairs, topk_ids, out, E, K, H, *plan.ids_strides, BLOCK_H=_SUM_BLOCK_H, num_warps=4)
     return out
 
 

@@ -15,6 +15,7 @@ fresh tensors (tests/test_ops.py: opcheck's schema test and a storage check on b
 
 from __future__ import annotations
 
+import types
 from typing import Optional
 
 import torch
@@ -32,19 +33,25 @@ from metainfer.kernels import rope as _rope
 from metainfer.kernels import glu as _glu
 
 from . import kv_pool, shm_collectives, symm_mem  # noqa: F401  (they register metainfer::shm_*, symm_mem_all_reduce)
-from .configs import config_for
 
 _LIB = torch.library.Library("metainfer", "FRAGMENT")
+
+# Each op's implementation as a plain function, called without the dispatcher: Inductor's wrapper
+# calls these (lowering/direct_calls.py), sparing a decode step the dispatcher's argument parsing
+# (~3 us per call of a ten-argument op). Same arguments, same outputs as torch.ops.metainfer.<name>.
+direct = types.SimpleNamespace()
 
 
 def _op(name: str):
     """Define metainfer::<name> from the decorated function's signature, with the function as
-    its implementation on every backend; the op (torch.ops.metainfer.<name>) replaces it."""
+    its implementation on every backend; the op (torch.ops.metainfer.<name>) replaces it, and
+    the function stays reachable as `direct.<name>`."""
 
     def register(fn):
         schema = torch.library.infer_schema(fn, mutates_args=())
         _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        setattr(direct, name, fn)
         op = getattr(torch.ops.metainfer, name)
         op.__doc__ = fn.__doc__
         return op
@@ -67,11 +74,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
               window: int = 0) -> Tensor:
     """softmax(softcap(q k^T * scale) + mask) v with GQA, causal / sliding-window masks built
     in; see metainfer.kernels.attention."""
-    args = (q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    if kernels.use_triton(q):
-        cfg = config_for("attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]), dtype=q.dtype)
-        return _attention.launch(*args, config=cfg)
-    return _attention.cpu_forward(*args).contiguous()
+    if kernels.use_triton(q):  # the launcher looks its config row up once per signature
+        return _attention.launch(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    return _attention.cpu_forward(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap,
+                                  window).contiguous()
 
 
 @_fake(attention)
@@ -83,7 +89,7 @@ def _(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap=0.0,
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, weight_offset: float, out_dtype: torch.dtype) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), see metainfer.kernels.rmsnorm."""
     if kernels.use_triton(x):
-        return _rmsnorm.launch(x, weight, eps, weight_offset, out_dtype, config=config_for("rmsnorm", x.device))
+        return _rmsnorm.launch(x, weight, eps, weight_offset, out_dtype)
     return _rmsnorm.cpu_forward(x, weight, eps, weight_offset, out_dtype).contiguous()
 
 
@@ -97,8 +103,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, weight_
                 out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(rmsnorm(x + residual), x + residual) in one pass over the rows."""
     if kernels.use_triton(x):
-        y, h = _rmsnorm.launch(x, weight, eps, weight_offset, out_dtype, residual=residual,
-                               config=config_for("rmsnorm", x.device))
+        y, h = _rmsnorm.launch(x, weight, eps, weight_offset, out_dtype, residual=residual)
     else:
         y, h = _rmsnorm.cpu_forward(x, weight, eps, weight_offset, out_dtype, residual=residual)
     return y.contiguous(), h.contiguous()
@@ -123,7 +128,7 @@ def geglu(gate: Tensor, up: Tensor) -> Tensor:
 
 def _gated(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     if kernels.use_triton(gate):
-        return _glu.launch(gate, up, config=config_for("glu", gate.device), activation=activation)
+        return _glu.launch(gate, up, activation=activation)
     return _glu.cpu_forward(gate, up, activation).contiguous()
 
 
@@ -139,7 +144,7 @@ _fake(geglu)(_gated_fake)
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin, see metainfer.kernels.rope."""
     if kernels.use_triton(x):
-        return _rope.launch(x, cos, sin, config=config_for("rope", x.device))
+        return _rope.launch(x, cos, sin)
     return _rope.cpu_forward(x, cos, sin).contiguous()
 
 
@@ -153,11 +158,10 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, bias: Optional[Tens
                act_quant: bool) -> Tensor:
     """x @ dequant(weight)^T (+ bias) from the FP8 weight and its block scales, see
     metainfer.kernels.fp8_gemm; act_quant: W8A8 (activations quantised per 1 x block_k)."""
-    if x.dim() > 1 and x.stride(-1) != 1 or not _rows_viewable(x):
+    if not x.is_contiguous() and (x.dim() > 1 and x.stride(-1) != 1 or not _rows_viewable(x)):
         x = x.contiguous()  # e.g. a batched view of a cache slice
-    if kernels.use_triton(x):
-        return _fp8_gemm.launch(x, weight, scale_inv, bias, block_n, block_k, act_quant,
-                                config=config_for("fp8_gemm", x.device))
+    if kernels.use_triton(x):  # the launcher looks its config row up once per signature
+        return _fp8_gemm.launch(x, weight, scale_inv, bias, block_n, block_k, act_quant)
     return _fp8_gemm.cpu_forward(x, weight, scale_inv, bias, block_n, block_k, act_quant).contiguous()
 
 
@@ -182,7 +186,7 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tenso
     GEMM, see metainfer.kernels.moe (FP8 weights when the scales are given)."""
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
     if kernels.use_triton(x):
-        return _moe.launch(*args, config=config_for("moe", x.device))
+        return _moe.launch(*args)  # the launcher looks its config row up once per signature
     return _moe.cpu_forward(*args).contiguous()
 
 
@@ -199,9 +203,8 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, mask: Opt
     a finite value: they carry that additive mask, as a dense mask with finfo.min has it."""
     args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     fill = (q, k, v, indices, mask, scale, causal, causal_offset, unselected_fill)
-    if kernels.use_triton(q):
-        cfg = config_for("sparse_attention", q.device, head_dim=max(q.shape[-1], v.shape[-1]))
-        out = _sparse_attention.launch(*args, config=cfg)
+    if kernels.use_triton(q):  # the launcher looks its config row up once per signature
+        out = _sparse_attention.launch(*args)
         if unselected_fill != float("-inf"):  # on the device: no read-back in the step
             out = _sparse_attention.launch_unselected_rows(out, *fill)
         return out
@@ -223,7 +226,7 @@ def mla_decode(q_latent: Tensor, q_pe: Tensor, ckv: Tensor, kpe: Tensor, indices
     """MLA attention over the latent cache in the absorbed form, see metainfer.kernels.mla_decode."""
     args = (q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     if kernels.use_triton(q_latent):
-        return _mla_decode.launch(*args, config=config_for("mla_decode", q_latent.device))
+        return _mla_decode.launch(*args)  # the launcher looks its config row up once per signature
     return _mla_decode.cpu_forward(*args).contiguous()
 
 
@@ -263,7 +266,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, write_index: Optional[Tenso
         key_index = read_index if read_index is not None and read_index.numel() else write_index
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale)
     if kernels.use_triton(q):
-        return _paged_attention.launch(*args, window, softcap, config=config_for("paged_attention", q.device))
+        return _paged_attention.launch(*args, window, softcap)  # config looked up once per signature
     return _paged_attention.cpu_forward(*args, plans=kv_pool.step_plans(), window=window, softcap=softcap)
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from . import attention
 from ._common import LaunchPlans, fail, cdiv, retries_smaller, check_float, next_pow2
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._flash import combine_splits, dot, dot_flags, normalise, soft_cap, softmax_step, split_workspace
 
 NAME = "paged_attention"
@@ -172,21 +173,40 @@ def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: in
 
 def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
     """Key splits: only where each request has one query token (decode) and many keys."""
-    forced = config.get("SPLITS")
-    if forced is not None:
-        return max(1, int(forced))
-    if max_q != 1:
-        return 1
-    return max(1, min(config.get("MAX_SPLITS", 8), cdiv(max_k, config.get("KEYS_PER_SPLIT", 512))))
+    return _KeySplits(config, max_q, block_n)(max_k)[0]
+
+
+class _KeySplits:
+    """How a launch splits each request's keys, read from its config once per launch signature:
+    called with the longest request's key count (it moves every decode step), (splits, keys per
+    split), splits starting on BLOCK_N boundaries. Without a forced SPLITS count only decode
+    (one query token per request) splits, at most MAX_SPLITS, one per KEYS_PER_SPLIT keys."""
+
+    __slots__ = ("forced", "most", "per", "block_n")
+
+    def __init__(self, config, max_q: int, block_n: int):
+        forced = config.get("SPLITS")
+        self.forced = None if forced is None else max(1, int(forced))
+        self.most = 1 if max_q != 1 else config.get("MAX_SPLITS", 8)
+        self.per, self.block_n = config.get("KEYS_PER_SPLIT", 512), block_n
+
+    def __call__(self, max_k: int) -> tuple[int, int]:
+        keys = max(max_k, 1)
+        splits = self.forced if self.forced is not None else max(1, min(self.most, -(-max_k // self.per)))
+        block_n = self.block_n
+        split_keys = -(-(-(-keys // splits)) // block_n) * block_n
+        return -(-keys // split_keys), split_keys
 
 
 class _Launch:
     """What a launch decides from everything but the longest request's key count (read per call:
     it grows every decode step): blocks, grid, constexprs."""
 
-    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "block_n")
+    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "meta_split", "block_n", "splits",
+                 "out_shape", "contiguous_out", "head", "tail")
 
     def __init__(self, q, k_pool, v_pool, key_index, cu_q, max_q, scale, window, softcap, config):
+        config = default_config(q) if config is None else config
         Tq, Hq, D = q.shape
         Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
         self.Hkv, self.Dv, self.n = Hkv, Dv, cu_q.numel() - 1
@@ -200,50 +220,59 @@ class _Launch:
             BLOCK_M=block_m, BLOCK_N=self.block_n,
             BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)),
             **dot_flags(q.dtype),
-            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
+            num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), SPLIT=False,
         )
+        self.meta_split = {**self.meta, "SPLIT": True}
+        self.splits = _KeySplits(config, max_q, self.block_n)
+        self.out_shape, self.contiguous_out = (Tq, Hq, Dv), Dv == D and q.is_contiguous()
+        # the kernel's arguments that follow from the signature, around the per-call ones
+        self.head = (*q.stride(), *k_pool.stride(), *v_pool.stride(), Hq * Dv, Dv, 1, *self.scalars)
+        self.tail = (float(scale), float(softcap or 1.0), int(window))
 
 
 _launches = LaunchPlans()
 
 
-@retries_smaller(NAME)
+def default_config(q, *args) -> dict:
+    """The config row for the inputs' device (kernels/configs.py)."""
+    return configs.config_for(NAME, q.device)
+
+
+@retries_smaller(NAME, default_config)
 def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, scale: float,
-           window: int = 0, softcap: float = 0.0, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. max_q / max_k (the longest request's query and key counts) size
+           window: int = 0, softcap: float = 0.0, *, config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel (`config` None: the device's row). max_q / max_k (the longest request's query and key counts) size
     the grid without reading cu_q / cu_k on the host. Checks and decisions that do not depend on
     max_k or the key index's length are made once per signature."""
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
     try:
         index_sig = None if key_index is None else (key_index.dtype, key_index.device, key_index.dim())
-        signature = (q.shape, q.dtype, q.device, k_pool.shape, k_pool.dtype, k_pool.device, v_pool.shape,
-                     v_pool.dtype, v_pool.device, index_sig, cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape,
-                     cu_k.dtype, cu_k.device, max_q, scale, window, softcap)
+        signature = (q.shape, q.stride(), q.dtype, q.device, k_pool.shape, k_pool.stride(), k_pool.dtype,
+                     k_pool.device, v_pool.shape, v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
+                     cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype, cu_k.device, max_q, scale,
+                     window, softcap)
     except AttributeError:
         signature = check_inputs(*args)  # raises: an input is not a tensor
-    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    plan = _launches.get(signature, config, _checked_launch, args, config)
     if not (type(max_k) is int and max_k >= 0):
         check_inputs(*args)
-    Tq, Hq, Dv = q.shape[0], q.shape[1], plan.Dv
-    out = q.new_empty((Tq, Hq, Dv)) if Dv != q.shape[2] else torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q) if plan.contiguous_out else q.new_empty(plan.out_shape)
     if plan.empty:
         return out
-    block_n = plan.block_n
-    splits = _splits(config, max_q, max_k, block_n)
-    split_keys = cdiv(cdiv(max(max_k, 1), splits), block_n) * block_n
-    splits = cdiv(max(max_k, 1), split_keys)
+    splits, split_keys = plan.splits(max_k)
     if splits > 1:
-        ws_acc, ws_ml = split_workspace(splits, Tq * Hq, Dv, q)  # rows in (token, head) order
+        rows = plan.out_shape[0] * plan.out_shape[1]
+        ws_acc, ws_ml = split_workspace(splits, rows, plan.Dv, q)  # rows in (token, head) order
+        meta = plan.meta_split
     else:
         ws_acc = ws_ml = out  # not written
+        meta = plan.meta
     _paged_fwd[(plan.n * plan.blocks, plan.Hkv, splits)](
         q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws_acc, ws_ml,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), Hq * Dv, Dv, 1,
-        *plan.scalars, split_keys,
-        float(scale), float(softcap or 1.0), int(window), SPLIT=splits > 1, **plan.meta,
+        *plan.head, split_keys, *plan.tail, **meta,
     )
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, splits, out, Tq * Hq, Dv, zero_empty_rows=True)
+        combine_splits(ws_acc, ws_ml, splits, out, rows, plan.Dv, zero_empty_rows=True)
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._common import LaunchPlans, fail, rows_of, check, check_float, next_pow2, signature
 
 NAME = "rmsnorm"
@@ -64,10 +65,13 @@ def check_inputs(x, weight, eps, weight_offset, out_dtype, residual=None) -> Non
 class _Launch:
     """A launch's checked decisions for one signature: rows and their strides, block, warps."""
 
-    __slots__ = ("n_rows", "scalars", "meta")
+    __slots__ = ("n_rows", "scalars", "meta", "same_layout")
 
     def __init__(self, x, weight, eps, weight_offset, out_dtype, residual, config):
         check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
+        config = configs.config_for(NAME, x.device) if config is None else config
+        # outputs as empty_like(x) builds them when x is contiguous (the cheapest allocation)
+        self.same_layout = x.is_contiguous()
         if not (weight.stride(0) == 1 or weight.numel() == 1):
             fail(NAME, "weight must be contiguous")
         self.n_rows, stride_x = rows_of(NAME, "x", x)
@@ -83,17 +87,21 @@ class _Launch:
 _launches = LaunchPlans()
 
 
-def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *, config: dict):
+def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *,
+           config: dict | None = None):
     """Returns y, or (y, x + residual) when a residual is given. Checks and decisions once per
-    signature (a decode step's repeat every step)."""
+    signature (a decode step's repeat every step); `config` None: the device's row."""
     plan = _launches.get(signature(x, weight, eps, weight_offset, out_dtype, residual), config,
-                         lambda: _Launch(x, weight, eps, weight_offset, out_dtype, residual, config))
-    contiguous = torch.contiguous_format
-    y = torch.empty_like(x, dtype=out_dtype, memory_format=contiguous)
-    if residual is None:
-        residual = h = x  # not read, not written
+                         _Launch, x, weight, eps, weight_offset, out_dtype, residual, config)
+    if plan.same_layout:
+        y = torch.empty_like(x, dtype=out_dtype)
+        h = x if residual is None else torch.empty_like(x)
     else:
-        h = torch.empty_like(x, memory_format=contiguous)
+        contiguous = torch.contiguous_format
+        y = torch.empty_like(x, dtype=out_dtype, memory_format=contiguous)
+        h = x if residual is None else torch.empty_like(x, memory_format=contiguous)
+    if residual is None:
+        residual = x  # not read; nor is h written
     if plan.n_rows:
         _rmsnorm_fwd[(plan.n_rows,)](x, residual, weight, y, h, *plan.scalars, **plan.meta)
     return (y, h) if h is not x else y

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._common import LaunchPlans, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
 
 NAME = "rope"
@@ -65,10 +66,12 @@ def out_dtype(x, cos, sin) -> torch.dtype:
 class _Launch:
     """A launch's checked decisions for one signature: output dtype, grid, strides, constexprs."""
 
-    __slots__ = ("dtype", "grid", "scalars", "meta")
+    __slots__ = ("dtype", "grid", "scalars", "meta", "same_layout")
 
     def __init__(self, x, cos, sin, config):
         check_inputs(x, cos, sin)
+        config = configs.config_for(NAME, x.device) if config is None else config
+        self.same_layout = x.is_contiguous()  # empty_like(x) is then contiguous
         self.dtype = out_dtype(x, cos, sin)
         shape = x.shape
         shape4 = (1,) * (4 - len(shape)) + tuple(shape)
@@ -84,10 +87,12 @@ class _Launch:
 _launches = LaunchPlans()
 
 
-def launch(x, cos, sin, *, config: dict) -> torch.Tensor:
-    """Checks and decisions once per signature (a decode step's repeat every step)."""
-    plan = _launches.get(signature(x, cos, sin), config, lambda: _Launch(x, cos, sin, config))
-    y = torch.empty_like(x, dtype=plan.dtype, memory_format=torch.contiguous_format)
+def launch(x, cos, sin, *, config: dict | None = None) -> torch.Tensor:
+    """Checks and decisions once per signature (a decode step's repeat every step); `config`
+    None: the device's row."""
+    plan = _launches.get(signature(x, cos, sin), config, _Launch, x, cos, sin, config)
+    y = (torch.empty_like(x, dtype=plan.dtype) if plan.same_layout
+         else torch.empty_like(x, dtype=plan.dtype, memory_format=torch.contiguous_format))
     if plan.grid is not None:
         _rope_fwd[plan.grid](x, cos, sin, y, *plan.scalars, **plan.meta)
     return y

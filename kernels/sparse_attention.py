@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, mask_operand, flash_meta, masked_scores, normalise, softmax_step
+from ._flash import dot, flash_meta, masked_scores, normalise, softmax_step
 from . import _common
 from ._common import (dot_block, FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
-                      next_pow2, retries_smaller)
+                      next_pow2, retries_smaller, strides_as)
+from . import configs  # (a module: configs imports the kernel modules for their default rows)
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -180,9 +181,11 @@ class _Launch:
     """What a launch decides from everything but the key count and causal offset (read per
     call: a decode step's context grows by one each step): blocks, grid slices, constexprs."""
 
-    __slots__ = ("B", "Hq", "Sq", "D", "Hkv", "Dv", "topk", "group", "head_blocks", "slices", "meta")
+    __slots__ = ("B", "Hq", "Sq", "D", "Hkv", "Dv", "topk", "group", "head_blocks", "slices", "meta",
+                 "contiguous_out", "head", "dims")
 
     def __init__(self, q, k, v, indices, mask, causal, zero_empty_rows, config):
+        config = default_config(q, k, v) if config is None else config
         B, Hq, Sq, D = q.shape
         Hkv, Dv = k.shape[1], v.shape[3]
         self.B, self.Hq, self.Sq, self.D, self.Hkv, self.Dv = B, Hq, Sq, D, Hkv, Dv
@@ -199,6 +202,10 @@ class _Launch:
         self.slices = [(b0, (Sq, (min(B, b0 + step) - b0) * per_batch)) for b0 in range(0, B, step)]
         self.meta = flash_meta(q.dtype, mask, causal, zero_empty_rows, config, BLOCK_H=block_h, BLOCK_N=block_n,
                                BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)))
+        self.contiguous_out = Dv == D and q.is_contiguous()  # empty_like(q) is then the output's layout
+        # the kernel's arguments that follow from the signature, around the per-call ones
+        self.head = (*q.stride(), *k.stride(), *v.stride(), *indices.stride())
+        self.dims = (Hq * Sq * Dv, Sq * Dv, Dv, 1, Hkv, self.group, head_blocks)
 
 
 _launches = LaunchPlans()
@@ -211,36 +218,41 @@ def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple 
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
-        return (q.shape, q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device, Bv, Hv, Dv, v.dtype, v.device,
-                indices.shape, indices.dtype, indices.device, mask_sig, scale, causal, zero_empty_rows)
+        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.stride(), k.dtype, k.device,
+                Bv, Hv, Dv, v.stride(), v.dtype, v.device, indices.shape, indices.stride(), indices.dtype,
+                indices.device, mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
         return None
 
 
-@retries_smaller(NAME)
+def default_config(q, k, v, *args) -> dict:
+    """The config row for these inputs on their device (kernels/configs.py)."""
+    return configs.config_for(NAME, q.device, head_dim=max(q.shape[-1], v.shape[-1]))
+
+
+@retries_smaller(NAME, default_config)
 def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: int,
-           zero_empty_rows: bool = False, *, config: dict) -> torch.Tensor:
-    """Run the Triton kernel. `config` holds BLOCK_H, BLOCK_N, num_warps, num_stages. Checks and
-    decisions that do not depend on the key count are made once per signature."""
+           zero_empty_rows: bool = False, *, config: dict | None = None) -> torch.Tensor:
+    """Run the Triton kernel. `config` (None: the device's row for the head dims) holds BLOCK_H,
+    BLOCK_N, num_warps, num_stages. Checks and decisions that do not depend on the key count are
+    made once per signature."""
     args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
     signature = _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows)
     if signature is None:
         check_inputs(*args)
-    plan = _launches.get(signature, config, lambda: _checked_launch(args, config))
+    plan = _launches.get(signature, config, _checked_launch, args, config)
     Sk = k.shape[2]
     B, Hq, Sq, Dv = plan.B, plan.Hq, plan.Sq, plan.Dv
     if not (v.shape[2] == Sk > 0 and type(causal_offset) is int
             and (mask is None or broadcasts_to(mask.shape, (B, Hq, Sq, Sk)))):
         check_inputs(*args)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if Dv == plan.D else q.new_empty((B, Hq, Sq, Dv))
+    out = torch.empty_like(q) if plan.contiguous_out else q.new_empty((B, Hq, Sq, Dv))
     if B * Hq * Sq * Dv == 0:
         return out
-    m, mstrides = mask_operand(mask, q, (B, Hq, Sq, Sk))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *indices.stride(), *mstrides, Hq * Sq * Dv, Sq * Dv, Dv, 1)
+    m, mstrides = (q, (0, 0, 0, 0)) if mask is None else (mask, strides_as(mask, (B, Hq, Sq, Sk)))
     for b0, grid in plan.slices:
         _sparse_attention_fwd[grid](
-            q, k, v, indices, m, out, *strides,
-            plan.Hkv, plan.group, plan.head_blocks, Sk, plan.topk, plan.D, Dv,
+            q, k, v, indices, m, out, *plan.head, *mstrides, *plan.dims, Sk, plan.topk, plan.D, Dv,
             float(scale), causal_offset, b0, **plan.meta,
         )
     return out

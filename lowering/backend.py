@@ -25,7 +25,7 @@ from metainfer.passes import PassManager
 
 from metainfer.kernels import configs as kernel_configs, symm_mem
 
-from . import compile_cache
+from . import compile_cache, direct_calls  # noqa: F401  (direct_calls: ops called without the dispatcher)
 from .section import GraphSection
 
 LOWERINGS = ("inductor", "aot_eager")

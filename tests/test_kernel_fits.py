@@ -103,6 +103,43 @@ def test_a_refused_launch_is_retried_smaller_and_the_fit_remembered(interpret, m
     assert tried == [(32, 16, 1)]
 
 
+def test_a_launch_without_a_config_steps_down_from_its_row(interpret, monkeypatch):
+    """The ops call launchers with no config (the row is looked up per signature): a refusal
+    steps down from the device's row, and the fit is remembered for the next call."""
+    tried = _refusing(monkeypatch, most_shared=16 * 16)
+    row = config_for_arch("attention", "interpreter", head_dim=16, dtype=torch.float32)
+    assert (row["BLOCK_M"], row["BLOCK_N"], row.get("num_stages", 2)) == (16, 16, 2)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    args = (q, k, v, None, 0.25, True, 0, False)
+    with pytest.warns(UserWarning, match="attention: .*retrying with"):
+        out = A.launch(*args)
+    torch.testing.assert_close(out, A.reference(*args), atol=2e-5, rtol=2e-5)
+    assert tried == [(16, 16, 2), (16, 16, 1)]
+    tried.clear()
+    A.launch(*args)
+    assert tried == [(16, 16, 1)]
+
+
+def test_plans_that_looked_their_row_up_are_remade_when_a_target_activates_rows():
+    from metainfer import targets
+    from metainfer.kernels import configs
+
+    plans, built = _common.LaunchPlans(), []
+
+    def build(tag):
+        built.append(tag)
+        return tag
+
+    assert plans.get(("sig",), None, build, 1) == 1
+    assert plans.get(("sig",), None, build, 2) == 1, "the same signature reuses its plan"
+    given = {"BLOCK_M": 16}
+    assert plans.get(("sig",), given, build, 3) == 3, "a given config is a plan of its own"
+    configs.activate(targets.get("cpu"))
+    assert plans.get(("sig",), None, build, 4) == 4, "rows activated since: made again"
+    assert plans.get(("sig",), given, build, 5) == 3, "a given config does not depend on the rows"
+    assert built == [1, 3, 4]
+
+
 def test_a_launch_nothing_fits_raises_triton_s_error(interpret, monkeypatch):
     from triton.runtime.errors import OutOfResources
 

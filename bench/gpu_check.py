@@ -230,6 +230,33 @@ def _moe_align(dev, f):
             "torch": lambda: both(*K.moe.align_by_expert(ids, E, bm)[:2]), "dtype": torch.int64}
 
 
+def _moe_decode(dev, f):
+    """MoE at the bound between its decode path (two matrix-vector kernels, GEMV_MAX_PAIRS pairs)
+    and the sort + tile kernels, DeepSeek-V3's expert shapes in block FP8 (bf16 below sm_89): the
+    timing ("torch" is the tile path here) says whether the bound is right."""
+    dt, E, top = torch.bfloat16, max(8, _n(256, f)), 8
+    H, I = _n(7168, f, 64), _n(2048, f, 64)
+    cfg = config_for("moe", torch.device(dev))
+    T = max(1, cfg["GEMV_MAX_PAIRS"] // top)
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    ids = torch.stack([torch.randperm(E, device=dev)[:top] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, top, device=dev)
+    fp8 = dev != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
+
+    def weights(n, k):
+        w = torch.randn(E, n, k, device=dev) / k ** 0.5
+        if not fp8:
+            return w.to(dt), None
+        s = torch.rand(E, -(-n // 128), -(-k // 128), device=dev) + 0.5
+        return (w * 8).clamp(-448, 448).to(torch.float8_e4m3fn), s / 8
+
+    (wg, sg), (wu, su), (wd, sd) = weights(I, H), weights(I, H), weights(H, I)
+    args = (x, ids, tw, wg, wu, wd, sg, su, sd, 128, 128)
+    tiles = {**cfg, "GEMV_MAX_PAIRS": 0}
+    return {"ours": lambda: K.moe.launch(*args, config=cfg), "reference": lambda: K.moe.reference(*args),
+            "torch": lambda: K.moe.launch(*args, config=tiles), "dtype": dt}
+
+
 def _sparse(dev, f):
     dt = torch.bfloat16
     Sq, Sk, topk = _n(1024, f, 4), _n(8192, f, 64), _n(2048, f, 16)
@@ -504,6 +531,7 @@ CHECKS = [
     Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
     Check("moe", "256 experts top-8, 2048 tokens", _moe),
     Check("moe", "routing sort at ALIGN_MAX_PAIRS: one program vs torch ops", _moe_align),
+    Check("moe", "decode at GEMV_MAX_PAIRS, DeepSeek experts: matrix-vector vs sorted tiles", _moe_decode),
     Check("sparse_attention", "top-2048 of 8192, 64 heads", _sparse),
     Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096)),
     Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192)),

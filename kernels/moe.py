@@ -21,7 +21,9 @@ such ids (checking them would need a host sync on the GPU anyway).
 
 Three implementations of the same function:
 - `launch`: two Triton kernels over token rows sorted by expert (`_moe_align` in one program for
-  decode's few pairs, `align_by_expert`'s torch ops above), and one summing each token's pairs;
+  a few hundred pairs, `align_by_expert`'s torch ops above), and one summing each token's pairs;
+  for decode's fewest pairs (GEMV_MAX_PAIRS) instead two matrix-vector kernels, unsorted, the
+  second summing each token's pairs itself;
 - `cpu_forward`: the CPU path, a host loop over the experts that received tokens;
 - `reference`: dense float32 math over every expert, for tests.
 """
@@ -50,11 +52,18 @@ DEFAULT_CONFIGS = {
     # program (`_moe_align`, one launch: decode), above by `align_by_expert`'s torch ops (~20
     # launches, each parallel over the pairs: prefill). 1024 is not measured yet: bench/gpu_check.py
     # times both paths at the bound.
+    # GEMV_MAX_PAIRS: up to this many pairs (decode) no sort and no tiles: two matrix-vector
+    # kernels, one program per (pair, N tile) then per (token, N tile), GEMV_BLOCK_N x
+    # GEMV_BLOCK_K weight tiles (two launches and two buffers instead of four and five; each pair
+    # reads its expert's weights once either way). 64 (batch 8 at top-8) is not measured yet:
+    # bench/gpu_check.py times both paths at the bound.
     "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
-                    "ALIGN_MAX_PAIRS": 1024},
+                    "ALIGN_MAX_PAIRS": 1024, "GEMV_MAX_PAIRS": 64, "GEMV_BLOCK_N": 16, "GEMV_BLOCK_K": 32},
     # kernel 1 holds two accumulators (gate and up): 64x64 tiles keep it within registers, and
     # 3 stages x (64x64 + 2 x 64x64) x 2 bytes = 72 KB of shared memory fits Ada and Hopper.
-    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "ALIGN_MAX_PAIRS": 1024},
+    # The GEMV tiles: two 32 x 128 float32 weight tiles, 64 registers a thread at 4 warps.
+    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "ALIGN_MAX_PAIRS": 1024,
+             "GEMV_MAX_PAIRS": 64, "GEMV_BLOCK_N": 32, "GEMV_BLOCK_K": 128},
 }
 
 
@@ -171,6 +180,88 @@ def _moe_down(
     tl.store(OUT + pair[:, None] * stride_op + offs_n[None, :] * stride_oh, acc,
              mask=row_ok[:, None] & (offs_n[None, :] < hidden))
 
+
+
+@triton.jit
+def _moe_gemv_gate_up(
+    X, W_G, W_U, S_G, S_U, IDS, Hb,
+    top_k, num_experts, hidden, inter, bn, bk,
+    stride_xt, stride_xh, stride_it, stride_ik,
+    stride_ge, stride_gn, stride_gk,
+    stride_ue, stride_un, stride_uk,
+    stride_sge, stride_sgn, stride_sgk,
+    stride_sue, stride_sun, stride_suk,
+    stride_hp, stride_hn,
+    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode's few pairs, unsorted: one program per (pair, N tile), h[pair, cols] =
+    silu(w_gate[e] . x[t]) * (w_up[e] . x[t]) as matrix-vector products (the tile kernels would
+    pad each pair to BLOCK_M rows, after a sort)."""
+    pair = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    t = pair // top_k
+    e = tl.load(IDS + t * stride_it + (pair % top_k) * stride_ik).to(tl.int64)
+    if (e < 0) | (e >= num_experts):  # contributes nothing; _moe_gemv_down skips the pair too
+        return
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ok = n_ok[:, None] & (offs_k[None, :] < hidden)
+        xk = tl.load(X + t * stride_xt + offs_k * stride_xh, mask=offs_k < hidden, other=0.0).to(tl.float32)
+        # products of x.dtype (or e4m3) values are exact in float32, as in the tile kernels' dots
+        wg = tl.load(W_G + e * stride_ge + offs_n[:, None] * stride_gn + offs_k[None, :] * stride_gk,
+                     mask=ok, other=0.0).to(tl.float32)
+        wu = tl.load(W_U + e * stride_ue + offs_n[:, None] * stride_un + offs_k[None, :] * stride_uk,
+                     mask=ok, other=0.0).to(tl.float32)
+        g = tl.sum(wg * xk[None, :], axis=1)
+        u = tl.sum(wu * xk[None, :], axis=1)
+        if FP8:
+            g *= _scale(S_G, e * stride_sge, n0, k0, bn, bk, stride_sgn, stride_sgk)
+            u *= _scale(S_U, e * stride_sue, n0, k0, bn, bk, stride_sun, stride_suk)
+        acc_g += g
+        acc_u += u
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(Hb + pair * stride_hp + offs_n * stride_hn, h.to(Hb.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_gemv_down(
+    Hb, W_D, S_D, IDS, TW, OUT,
+    top_k, num_experts, hidden, inter, bn, bk,
+    stride_hp, stride_hn, stride_it, stride_ik, stride_tw_t, stride_tw_k,
+    stride_de, stride_dn, stride_dk,
+    stride_sde, stride_sdn, stride_sdk,
+    stride_ot, stride_oh,
+    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t, cols] = sum over k of topk_weight[t, k] * (w_down[e] . h[t*K + k]): the down
+    products and the sum over the token's pairs in one program per (token, N tile), float32, in
+    k order (as _moe_down + _moe_sum add them)."""
+    t = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(0, top_k):
+        e = tl.load(IDS + t * stride_it + k * stride_ik).to(tl.int64)
+        if (e >= 0) & (e < num_experts):
+            pair = t * top_k + k
+            part = tl.zeros([BLOCK_N], tl.float32)
+            for i0 in range(0, inter, BLOCK_K):
+                offs_i = i0 + tl.arange(0, BLOCK_K)
+                i_ok = offs_i < inter
+                hk = tl.load(Hb + pair * stride_hp + offs_i * stride_hn, mask=i_ok, other=0.0).to(tl.float32)
+                wd = tl.load(W_D + e * stride_de + offs_n[:, None] * stride_dn + offs_i[None, :] * stride_dk,
+                             mask=n_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+                d = tl.sum(wd * hk[None, :], axis=1)
+                if FP8:
+                    d *= _scale(S_D, e * stride_sde, n0, i0, bn, bk, stride_sdn, stride_sdk)
+                part += d
+            acc += part * tl.load(TW + t * stride_tw_t + k * stride_tw_k).to(tl.float32)
+    tl.store(OUT + t * stride_ot + offs_n * stride_oh, acc.to(OUT.dtype.element_ty), mask=n_ok)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -419,7 +510,7 @@ class _Launch:
     weights repeat every step): blocks, tile bound, grids, strides, constexprs."""
 
     __slots__ = ("T", "H", "I", "K", "E", "P", "BM", "n_tiles", "align", "ids_contiguous", "grids", "strides",
-                 "meta", "same_layout", "ids_strides")
+                 "meta", "same_layout", "ids_strides", "gemv")
 
     def __init__(self, args: tuple, config):
         check_inputs(*args)
@@ -451,6 +542,32 @@ class _Launch:
             **dot_flags(x.dtype),
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2),
         )
+        self.gemv = _Gemv(args, config, fp8) if T * K <= config.get("GEMV_MAX_PAIRS", 0) else None
+
+
+class _Gemv:
+    """The decode path's two launches (`_moe_gemv_gate_up`, `_moe_gemv_down`): grids, arguments
+    and constants, all fixed by the signature."""
+
+    __slots__ = ("h_shape", "grid_up", "grid_down", "args_up", "args_down", "meta")
+
+    def __init__(self, args: tuple, config, fp8: bool):
+        x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k = args
+        (T, H), K, (E, I) = x.shape, topk_ids.shape[1], w_gate.shape[:2]
+        bn, bk = config["GEMV_BLOCK_N"], config["GEMV_BLOCK_K"]
+        for key, v in (("GEMV_BLOCK_N", bn), ("GEMV_BLOCK_K", bk)):
+            if not _is_pow2_at_least(v, 16):
+                fail(NAME, f"config {key} must be a power of two >= 16, got {v!r}")
+        if fp8:  # one scale per tile, as in the tile kernels
+            bn, bk = min(bn, block_n), min(bk, block_k)
+        zeros = (0, 0, 0)  # unused scale pointers get zero strides
+        sg, su, sd = (s_gate.stride(), s_up.stride(), s_down.stride()) if fp8 else (zeros, zeros, zeros)
+        self.h_shape = (T * K, I)
+        self.grid_up, self.grid_down = (T * K, cdiv(I, bn)), (T, cdiv(H, bn))
+        sizes = (K, E, H, I, block_n, block_k)
+        self.args_up = (*sizes, *x.stride(), *topk_ids.stride(), *w_gate.stride(), *w_up.stride(), *sg, *su, I, 1)
+        self.args_down = (*sizes, I, 1, *topk_ids.stride(), *topk_weights.stride(), *w_down.stride(), *sd, H, 1)
+        self.meta = dict(FP8=fp8, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.get("num_warps", 4))
 
 
 _SUM_BLOCK_H = 1024  # hidden columns per program of _moe_sum
@@ -462,6 +579,17 @@ def default_config(x, *args) -> dict:
     return configs.config_for(NAME, x.device)
 
 
+def _signature(x, ids, tw, wg, wu, wd, sg, su, sd, block_n, block_k) -> tuple:
+    """`_common.signature` of the arguments, written out (a decode step pays it per MoE layer:
+    ~1 us less than the generic loop over eleven arguments)."""
+    return (x.shape, x.stride(), x.dtype, x.device, ids.shape, ids.stride(), ids.dtype, ids.device,
+            tw.shape, tw.stride(), tw.dtype, tw.device, wg.shape, wg.stride(), wg.dtype, wg.device,
+            wu.shape, wu.stride(), wu.dtype, wu.device, wd.shape, wd.stride(), wd.dtype, wd.device,
+            None if sg is None else (sg.shape, sg.stride(), sg.dtype, sg.device),
+            None if su is None else (su.shape, su.stride(), su.dtype, su.device),
+            None if sd is None else (sd.shape, sd.stride(), sd.dtype, sd.device), block_n, block_k)
+
+
 @retries_smaller(NAME, default_config)
 def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
            block_n: int = 128, block_k: int = 128, *, config: dict | None = None) -> torch.Tensor:
@@ -469,10 +597,22 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, ALIGN_MAX_PAIRS. Checks and decisions once
     per signature."""
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
-    plan = _launches.get(signature(*args), config, _Launch, args, config)
+    try:
+        key = _signature(*args)
+    except AttributeError:  # an argument that is not a tensor: the checks name it
+        key = signature(*args)
+    plan = _launches.get(key, config, _Launch, args, config)
     T, H, I, K, E, P = plan.T, plan.H, plan.I, plan.K, plan.E, plan.P
     out = torch.empty_like(x) if plan.same_layout else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
+        return out
+    if s_gate is None:  # unused pointers: any tensor (zero strides)
+        s_gate = s_up = s_down = w_gate
+    gemv = plan.gemv
+    if gemv is not None:  # decode: two launches, no sort
+        h = x.new_empty(gemv.h_shape)
+        _moe_gemv_gate_up[gemv.grid_up](x, w_gate, w_up, s_gate, s_up, topk_ids, h, *gemv.args_up, **gemv.meta)
+        _moe_gemv_down[gemv.grid_down](h, w_down, s_down, topk_ids, topk_weights, out, *gemv.args_down, **gemv.meta)
         return out
     if plan.align is not None:
         sorted_pairs, expert_of_block = plan.align(topk_ids if plan.ids_contiguous else topk_ids.contiguous())
@@ -481,8 +621,6 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     h = x.new_empty((plan.n_tiles * plan.BM, I))
     # pairs with an out-of-range expert are never written; _moe_sum skips them
     out_pairs = x.new_empty((P, H), dtype=torch.float32)
-    if s_gate is None:  # unused pointers: any tensor (zero strides)
-        s_gate = s_up = s_down = w_gate
     grid_up, grid_down, grid_sum = plan.grids
     strides_up, strides_down = plan.strides
     _moe_gate_up[grid_up](

@@ -249,9 +249,9 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
                             128, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
         return call
 
-    def experts(fp8):
+    def experts(fp8, T):  # T x K pairs above GEMV_MAX_PAIRS: the sort and the tile kernels; below: decode's two
         def call(arch):
-            T, E, K, H, I = 16, 8, 2, 256, 256
+            E, K, H, I = 8, 2, 256, 256
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
             w = (lambda *s: randn(*s, dtype=e4m3)) if fp8 else randn
             s = (lambda *s: torch.rand(*s, generator=g)) if fp8 else (lambda *s: None)
@@ -317,8 +317,10 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("fp8_gemm", "prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
         ("fp8_gemm", "m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
         ("fp8_gemm", "m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
-        ("moe", "bf16 experts", experts(False)),
-        ("moe", "fp8 experts", experts(True)),
+        ("moe", "bf16 experts", experts(False, 64)),
+        ("moe", "fp8 experts", experts(True, 64)),
+        ("moe", "bf16 experts, decode (matrix-vector)", experts(False, 4)),
+        ("moe", "fp8 experts, decode (matrix-vector)", experts(True, 4)),
         ("sparse_attention", "bf16 d128 top-64", sparse()),
         ("sparse_attention", "bf16 d128 top-64, additive mask, unselected keys filled",
          sparse("additive", float(torch.finfo(f32).min))),

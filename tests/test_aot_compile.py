@@ -24,10 +24,12 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     compiled = {(r["kernel"], r["arch"]) for r in results if r["status"] == "ok"}
     kernels = {r["kernel"] for r in results if r["status"] == "ok"}
-    # every launched kernel: moe's four (routing sort, two GEMMs, pair sum), the merge of key splits,
-    # fp8_gemm's split-K sum, the dense redo of sparse attention's unselected rows
-    assert len(kernels) == 16, sorted(kernels)
-    assert {"_flash._combine_splits", "fp8_gemm._sum_splits", "moe._moe_align", "moe._moe_sum"} <= kernels
+    # every launched kernel: moe's four (routing sort, two GEMMs, pair sum) and its decode pair
+    # (two matrix-vector kernels), the merge of key splits, fp8_gemm's split-K sum, the dense redo of
+    # sparse attention's unselected rows
+    assert len(kernels) == 18, sorted(kernels)
+    assert {"_flash._combine_splits", "fp8_gemm._sum_splits", "moe._moe_align", "moe._moe_sum",
+            "moe._moe_gemv_gate_up", "moe._moe_gemv_down"} <= kernels
     assert compiled == {(k, a) for k in kernels for a in aot.ARCHS}
     # the decode paths: key splits of attention and MLA (dense and top-k), small-M split-K GEMMs
     cases = {(r["kernel"], r["case"]) for r in results if r["status"] == "ok"}
@@ -42,8 +44,8 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
     assert all(1 <= v <= 255 for v in regs.values()), regs
     assert regs[("attention._attention_fwd", "bf16 d256 causal", "sm_90")] > \
         regs[("rmsnorm._rmsnorm_fwd", "bf16 4096 + residual", "sm_90")]
-    # the one refusal is the launcher's own: FP8 experts before sm_89
-    assert [(r["kernel"], r["arch"]) for r in results if r["status"] == "refused"] == [("moe", "sm_80")]
+    # the only refusals are the launcher's own: FP8 experts (both paths) before sm_89
+    assert [(r["kernel"], r["arch"]) for r in results if r["status"] == "refused"] == [("moe", "sm_80")] * 2
 
 
 def test_the_tool_refuses_to_run_under_the_interpreter(capsys, monkeypatch):

@@ -11,10 +11,13 @@ import metainfer.kernels.moe as K
 from metainfer.kernels import KernelInputError
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-CFG = K.DEFAULT_CONFIGS["interpreter"]
-# other tile shapes: tiles wider than the FP8 scale blocks (clamped), several rows per tile
-CONFIGS = [CFG, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1),
-           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, num_warps=2)]
+CFG = K.DEFAULT_CONFIGS["interpreter"]  # decode's few pairs (GEMV_MAX_PAIRS) take the matrix-vector kernels
+TILES = {**CFG, "GEMV_MAX_PAIRS": 0}  # the sorted tile kernels at every size
+# other tile shapes: tiles wider than the FP8 scale blocks (clamped), several rows per tile; other
+# matrix-vector tiles (wider than some scale blocks, clamped too)
+CONFIGS = [CFG, TILES, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1),
+           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, num_warps=2),
+           {**CFG, "GEMV_BLOCK_N": 64, "GEMV_BLOCK_K": 16, "GEMV_MAX_PAIRS": 200}]
 
 
 def quantize(w: torch.Tensor, bn: int, bk: int):
@@ -160,8 +163,8 @@ def test_launch_routes_with_either_align_path(interpret):
     p = dict(dtype=torch.float32, T=11, E=6, K=3, H=24, I=20, fp8=False, block_n=128, block_k=128, fused=True,
              tw_fp32=True, strided=False, active_frac=1.0, seed=9)
     args = make(p)
-    one = K.launch(*args, config=CFG)
-    torch_ops = K.launch(*args, config={**CFG, "ALIGN_MAX_PAIRS": 0})
+    one = K.launch(*args, config=TILES)
+    torch_ops = K.launch(*args, config={**TILES, "ALIGN_MAX_PAIRS": 0})
     assert torch.equal(one, torch_ops)
     check(one, K.reference(*args), torch.float32)
 
@@ -175,9 +178,28 @@ def test_out_of_range_ids_contribute_zero(interpret):
     tw0 = tw.clone()
     tw0[1, 0] = tw0[4, 1] = 0.0
     expected = K.reference(x, ids, tw0, wg, wu, wd)
-    for out in (K.launch(x, bad, tw, wg, wu, wd, config=CFG), K.cpu_forward(x, bad, tw, wg, wu, wd),
-                K.reference(x, bad, tw, wg, wu, wd)):
+    for out in (K.launch(x, bad, tw, wg, wu, wd, config=CFG), K.launch(x, bad, tw, wg, wu, wd, config=TILES),
+                K.cpu_forward(x, bad, tw, wg, wu, wd), K.reference(x, bad, tw, wg, wu, wd)):
         check(out, expected, torch.float32)
+
+
+def test_decode_takes_two_matrix_vector_launches(interpret):
+    """Up to GEMV_MAX_PAIRS pairs: two launches (no sort, no per-pair buffer to sum); above, the
+    sort and the tile kernels; the two paths agree (float32 sums in another order)."""
+    from metainfer.lowering import aot
+
+    p = dict(dtype=torch.float32, T=4, E=16, K=4, H=40, I=24, fp8=True, block_n=16, block_k=32, fused=True,
+             tw_fp32=True, strided=True, active_frac=1.0, seed=13)
+    args = make(p)
+    with aot._recording(89, names_only=True) as launches:
+        K.launch(*args, config=CFG)
+        gemv = list(launches)
+        launches.clear()
+        K.launch(*args, config={**CFG, "GEMV_MAX_PAIRS": 15})  # 16 pairs: one too many
+        tiles = list(launches)
+    assert gemv == ["moe._moe_gemv_gate_up", "moe._moe_gemv_down"]
+    assert tiles == ["moe._moe_align", "moe._moe_gate_up", "moe._moe_down", "moe._moe_sum"]
+    check(K.launch(*args, config=CFG), K.launch(*args, config=TILES), torch.float32)
 
 
 def test_more_picks_than_local_experts(interpret):

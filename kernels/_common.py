@@ -256,9 +256,9 @@ class LaunchPlans:
 
     def get(self, key: tuple, config, build, *build_args):
         """The plan for `key` made from `config`, else `build(*build_args)`'s (arguments, not a
-        closure: a lambda over the launcher's locals would turn each of them into a cell). `config` None: the launcher
-        looks its config up inside `build` (an op's call), and the plan lasts until a target
-        activates other rows (CONFIG_GENERATION)."""
+        closure: a lambda over the launcher's locals would turn each of them into a cell).
+        `config` None: the launcher looks its config up inside `build` (an op's call), and the
+        plan lasts until a target activates other rows (CONFIG_GENERATION)."""
         key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH, CONFIG_GENERATION if config is None else -1)
         try:
             hit = self._plans.get(key)

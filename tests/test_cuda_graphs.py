@@ -38,7 +38,8 @@ def _compiles(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("new_tokens", [6, 14])
+# 14 new tokens alone would show one graph per length; 6 too (the slow tier)
+@pytest.mark.parametrize("new_tokens", [pytest.param(6, marks=pytest.mark.slow), 14])
 def test_static_cache_decode_compiles_per_batch_bucket_not_per_length(monkeypatch, new_tokens):
     """Batches of 1, 2 and 3 over a static cache: the decode graphs are replayable and there are
     two of them (batch 1, then one with a symbolic batch) however long the decode runs; a growing

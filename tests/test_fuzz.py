@@ -24,8 +24,8 @@ def _fuzz(tmp_path, *args):
 
 
 def test_a_short_fuzz_run_finds_nothing(tmp_path):
-    rc, res, log = _fuzz(tmp_path, "--cases", "10", "--streams", "1", "--seed", "0")
-    assert res["cases"] + res["invalid"] == 10 and res["cases"] >= 8, log[-3000:]
+    rc, res, log = _fuzz(tmp_path, "--cases", "6", "--streams", "1", "--seed", "0")
+    assert res["cases"] + res["invalid"] == 6 and res["cases"] >= 5, log[-3000:]
     assert res["mismatches"] == 0 and res["crashes"] == 0 and not res["stream_failures"], res["failures"]
     assert res["streams"] == 1 and rc == 0
 

@@ -76,9 +76,13 @@ def _left_padded(b, s, pad, g):
     return ids, mask
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("arch,impl", [("Llama", "eager"), ("Llama", "sdpa"),
-                                       pytest.param("Qwen2", "eager", marks=pytest.mark.slow)])
+# each attention form and each cache once in the default tier; the rest of the square in the slow one
+@pytest.mark.parametrize("arch,impl,cache", [
+    ("Llama", "sdpa", "dynamic"), ("Llama", "eager", "static"),
+    pytest.param("Llama", "eager", "dynamic", marks=pytest.mark.slow),
+    pytest.param("Llama", "sdpa", "static", marks=pytest.mark.slow),
+    pytest.param("Qwen2", "eager", "dynamic", marks=pytest.mark.slow),
+    pytest.param("Qwen2", "eager", "static", marks=pytest.mark.slow)])
 def test_hugging_face_generate_matches_eager(arch, impl, cache):
     model = _hf(arch, impl)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")

@@ -6,8 +6,9 @@ stubbed out: what a decode step pays in Python before any kernel runs.
 Each op is called two ways: as Inductor's wrapper calls it (`kernels.ops.direct.*`, the plain
 function, lowering/direct_calls.py) and through the dispatcher (`torch.ops.metainfer.*`, as eager
 code and the aot_eager lowering call it); the paged kernel through its launcher (its op reads the
-engine's pool). Decode-sized CPU tensors; the attention ops see a
-context one key longer at each call (16 lengths in turn), as decode steps do, with the
+engine's pool). Decode-sized CPU tensors; the attention ops see a contiguous
+context one key longer at each call (16 lengths in turn), as decode steps over a cache grown by
+concatenation do (its length and strides move every step), with the
 launchers deciding as on an sm_89 GPU (lowering/aot.py's recording: every `kernel[grid](...)`
 is dropped, only its kernel's name kept, so what is timed is dispatch, input checks, config
 lookup, grid and workspace set-up). The first line is a yardstick: an op with an empty body, the dispatcher's floor (this
@@ -82,8 +83,9 @@ def cases(mi) -> dict:
         reused, as in a real decode."""
         return rotating([step_call(s) for s in range(STEPS)])
 
-    def ctx(t, n):  # the first n keys of a cache buffer, as a view
-        return t[:, :, :n] if t.dim() == 4 else t[:, :n]
+    def ctx(t, n):  # the first n keys of a cache, contiguous: grown by concatenation (transformers'
+        # DynamicCache), its strides move with its length, so nothing keyed on them is reused either
+        return (t[:, :, :n] if t.dim() == 4 else t[:, :n]).contiguous()
 
     return {
         "attention (decode, 1024 keys)": decode(lambda s: (lambda kk=ctx(k, S + s), vv=ctx(v, S + s): mi.attention(

@@ -281,7 +281,8 @@ def signature(*args) -> tuple:
 
 # ---- out of resources: a smaller config instead of an error ------------------------------------
 
-def _out_of_resources() -> type[Exception]:
+def out_of_resources() -> type[Exception]:
+    """Triton's error for a launch refused for want of shared memory or registers."""
     from triton.runtime.errors import OutOfResources
     return OutOfResources
 
@@ -327,7 +328,7 @@ def retries_smaller(kernel: str, default_config=None):
             while True:
                 try:
                     out = launch(*args, config=cfg, **kwargs)
-                except _out_of_resources() as e:
+                except out_of_resources() as e:
                     current = cfg if cfg is not None else default_config(*args)
                     smaller = smaller_config(current)
                     if smaller is None:

@@ -213,8 +213,9 @@ class _Launch:
                                BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)), SPLIT=False)
         self.meta_split = {**self.meta, "SPLIT": True}
         self.contiguous_out = Dv == D and q.is_contiguous()
-        # the kernel's arguments around the key count, the causal offset and the split length
-        self.head = (*q.stride(), *k.stride(), *v.stride())
+        # the kernel's arguments around the key count, the causal offset and the split length (k's
+        # and v's strides are read per call: a cache grown by concatenation moves them every step)
+        self.head = q.stride()
         self.dims = (Hq * Sq * Dv, Sq * Dv, Dv, 1, Hq, Hq // self.Hkv, Sq)
         self.tail = (D, Dv, float(scale))
         self.last = (float(softcap or 1.0), int(window))
@@ -230,8 +231,8 @@ def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
-        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.stride(), k.dtype, k.device,
-                Bv, Hv, Dv, v.stride(), v.dtype, v.device, mask_sig, scale, causal, zero_empty_rows, softcap, window)
+        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device,
+                Bv, Hv, Dv, v.dtype, v.device, mask_sig, scale, causal, zero_empty_rows, softcap, window)
     except (AttributeError, ValueError, TypeError):
         return None
 
@@ -277,7 +278,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     else:
         ws_acc = ws_ml = out  # not written
         meta = plan.meta
-    args = (q, k, v, m, out, ws_acc, ws_ml, *plan.head, *mstrides, *plan.dims, Sk, *plan.tail,
+    args = (q, k, v, m, out, ws_acc, ws_ml, *plan.head, *k.stride(), *v.stride(), *mstrides, *plan.dims, Sk, *plan.tail,
             causal_offset, split_keys, *plan.last)
     if len(plan.candidates) > 1:
         B, Hq, Sq = plan.B, plan.Hq, plan.Sq

@@ -220,7 +220,7 @@ class _Launch:
     call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
 
     __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta", "meta_split",
-                 "contiguous_out", "head", "dims")
+                 "contiguous_out", "head", "index_strides", "dims")
 
     def __init__(self, q_latent, q_pe, ckv, kpe, indices, mask, causal, zero_empty_rows, config):
         config = default_config(q_latent) if config is None else config
@@ -245,8 +245,9 @@ class _Launch:
         self.meta_split = {**self.meta, "SPLIT": True}
         self.contiguous_out = q_latent.is_contiguous()  # empty_like(q_latent) is then contiguous
         # the kernel's arguments that follow from the signature, around the per-call ones
-        self.head = (*q_latent.stride(), *q_pe.stride(), *ckv.stride(), *kpe.stride(),
-                     *((0, 0, 0) if indices is None else indices.stride()))
+        # (the caches' strides are read per call: a cache grown by concatenation moves them every step)
+        self.head = (*q_latent.stride(), *q_pe.stride())
+        self.index_strides = (0, 0, 0) if indices is None else indices.stride()
         self.dims = (H * Sq * R, Sq * R, R, 1, H, self.head_blocks)
 
 
@@ -262,8 +263,8 @@ def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empt
         index_sig = None if indices is None else (indices.shape, indices.stride(), indices.dtype, indices.device)
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
         return (q_latent.shape, q_latent.stride(), q_latent.dtype, q_latent.device, q_pe.shape, q_pe.stride(),
-                q_pe.dtype, q_pe.device, Bc, Rc, ckv.stride(), ckv.dtype, ckv.device, Bk, Pk, kpe.stride(),
-                kpe.dtype, kpe.device, index_sig, mask_sig, scale, causal, zero_empty_rows)
+                q_pe.dtype, q_pe.device, Bc, Rc, ckv.dtype, ckv.device, Bk, Pk, kpe.dtype, kpe.device, index_sig,
+                mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
         return None
 
@@ -305,7 +306,8 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
         ws_acc = ws_ml = out  # not written
         meta = plan.meta
     _mla_fwd[(B * plan.head_blocks, Sq, splits)](
-        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml, *plan.head, *mstrides, *plan.dims,
+        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml, *plan.head, *ckv.stride(), *kpe.stride(),
+        *plan.index_strides, *mstrides, *plan.dims,
         T, plan.topk, R, plan.P, float(scale), causal_offset, split_keys, **meta,
     )
     if splits > 1:

@@ -30,6 +30,8 @@ Three implementations of the same function:
 
 from __future__ import annotations
 
+import warnings
+
 
 import torch
 import triton
@@ -38,7 +40,7 @@ import triton.language as tl
 from ._flash import dot, dot_flags
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
-                      next_pow2, signature)
+                      next_pow2, out_of_resources, signature)
 
 NAME = "moe"
 
@@ -611,9 +613,14 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     gemv = plan.gemv
     if gemv is not None:  # decode: two launches, no sort
         h = x.new_empty(gemv.h_shape)
-        _moe_gemv_gate_up[gemv.grid_up](x, w_gate, w_up, s_gate, s_up, topk_ids, h, *gemv.args_up, **gemv.meta)
-        _moe_gemv_down[gemv.grid_down](h, w_down, s_down, topk_ids, topk_weights, out, *gemv.args_down, **gemv.meta)
-        return out
+        try:
+            _moe_gemv_gate_up[gemv.grid_up](x, w_gate, w_up, s_gate, s_up, topk_ids, h, *gemv.args_up, **gemv.meta)
+            _moe_gemv_down[gemv.grid_down](h, w_down, s_down, topk_ids, topk_weights, out, *gemv.args_down,
+                                           **gemv.meta)
+            return out
+        except out_of_resources() as e:  # refused before running: the tile kernels, for this signature
+            warnings.warn(f"{NAME}: decode kernels refused ({e}); the sorted tile kernels run instead", stacklevel=2)
+            plan.gemv = None
     if plan.align is not None:
         sorted_pairs, expert_of_block = plan.align(topk_ids if plan.ids_contiguous else topk_ids.contiguous())
     else:

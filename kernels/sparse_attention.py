@@ -182,7 +182,7 @@ class _Launch:
     call: a decode step's context grows by one each step): blocks, grid slices, constexprs."""
 
     __slots__ = ("B", "Hq", "Sq", "D", "Hkv", "Dv", "topk", "group", "head_blocks", "slices", "meta",
-                 "contiguous_out", "head", "dims")
+                 "contiguous_out", "head", "index_strides", "dims")
 
     def __init__(self, q, k, v, indices, mask, causal, zero_empty_rows, config):
         config = default_config(q, k, v) if config is None else config
@@ -203,8 +203,10 @@ class _Launch:
         self.meta = flash_meta(q.dtype, mask, causal, zero_empty_rows, config, BLOCK_H=block_h, BLOCK_N=block_n,
                                BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)))
         self.contiguous_out = Dv == D and q.is_contiguous()  # empty_like(q) is then the output's layout
-        # the kernel's arguments that follow from the signature, around the per-call ones
-        self.head = (*q.stride(), *k.stride(), *v.stride(), *indices.stride())
+        # the kernel's arguments that follow from the signature, around the per-call ones (k's and
+        # v's strides are read per call: a cache grown by concatenation moves them every step)
+        self.head = q.stride()
+        self.index_strides = indices.stride()
         self.dims = (Hq * Sq * Dv, Sq * Dv, Dv, 1, Hkv, self.group, head_blocks)
 
 
@@ -218,8 +220,8 @@ def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple 
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
         mask_sig = None if mask is None else (mask.dtype, mask.device, mask.dim())
-        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.stride(), k.dtype, k.device,
-                Bv, Hv, Dv, v.stride(), v.dtype, v.device, indices.shape, indices.stride(), indices.dtype,
+        return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device,
+                Bv, Hv, Dv, v.dtype, v.device, indices.shape, indices.stride(), indices.dtype,
                 indices.device, mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
         return None
@@ -252,7 +254,8 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     m, mstrides = (q, (0, 0, 0, 0)) if mask is None else (mask, strides_as(mask, (B, Hq, Sq, Sk)))
     for b0, grid in plan.slices:
         _sparse_attention_fwd[grid](
-            q, k, v, indices, m, out, *plan.head, *mstrides, *plan.dims, Sk, plan.topk, plan.D, Dv,
+            q, k, v, indices, m, out, *plan.head, *k.stride(), *v.stride(), *plan.index_strides, *mstrides,
+            *plan.dims, Sk, plan.topk, plan.D, Dv,
             float(scale), causal_offset, b0, **plan.meta,
         )
     return out

@@ -12,6 +12,8 @@ without that table keeps the dispatcher (correct, slower).
 
 from __future__ import annotations
 
+import copy
+
 from metainfer.kernels import ops
 
 _IMPORT = "from metainfer.kernels.ops import direct as metainfer_direct"
@@ -33,9 +35,11 @@ def _direct_call(name: str):
 
         wrapper = V.graph.wrapper_code
         wrapper.add_import_once(_IMPORT)
-        # the node's python_kernel_name is what the wrapper line calls
-        node.python_kernel_name = f"metainfer_direct.{name}"
-        writeline(ExternKernelAllocLine(wrapper, node))
+        # the line calls its node's python_kernel_name: a shallow copy names the plain function, the
+        # IR node itself keeps the op's name (a second codegen of it finds this table again)
+        call = copy.copy(node)
+        call.python_kernel_name = f"metainfer_direct.{name}"
+        writeline(ExternKernelAllocLine(wrapper, call))
 
     return codegen
 

@@ -120,10 +120,12 @@ def test_a_launch_without_a_config_steps_down_from_its_row(interpret, monkeypatc
     assert tried == [(16, 16, 1)]
 
 
-def test_plans_that_looked_their_row_up_are_remade_when_a_target_activates_rows():
+def test_plans_that_looked_their_row_up_are_remade_when_a_target_activates_rows(monkeypatch):
     from metainfer import targets
     from metainfer.kernels import configs
 
+    monkeypatch.setattr(configs, "_active", dict(configs._active))  # the activation is undone after
+    monkeypatch.setattr(_common, "CONFIG_GENERATION", _common.CONFIG_GENERATION)
     plans, built = _common.LaunchPlans(), []
 
     def build(tag):
@@ -168,3 +170,27 @@ def test_broadcasts_to_agrees_with_torch(shape, target):
     except RuntimeError:
         expected = False
     assert _common.broadcasts_to(tuple(shape), tuple(target)) == expected
+
+
+def test_a_cache_grown_by_concatenation_reuses_its_launch_plan(monkeypatch):
+    """Decode over a contiguous cache one key longer each step (transformers' DynamicCache): the
+    attention family builds its plan once, not per step (the cache's strides move with its
+    length, so they stay out of the plan's key)."""
+    from metainfer.kernels import mla_decode, sparse_attention
+    from metainfer.lowering import aot
+
+    builds = []
+    for module in (A, sparse_attention, mla_decode):
+        real = module._Launch
+        monkeypatch.setattr(module, "_Launch", lambda *a, real=real, name=module.NAME: builds.append(name) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    q, idx = torch.randn(2, 4, 1, 16, generator=g), torch.randint(0, 8, (2, 1, 4), generator=g, dtype=torch.int32)
+    ql, qp = torch.randn(2, 4, 1, 32, generator=g), torch.randn(2, 4, 1, 8, generator=g)
+    with aot._recording(89, names_only=True):
+        for n in range(20, 26):
+            k, v = torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g)
+            A.launch(q, k, v, None, 0.25, True, n - 1, False)
+            sparse_attention.launch(q, k, v, idx, None, 0.25, True, n - 1, False)
+            ckv, kpe = torch.randn(2, n, 32, generator=g), torch.randn(2, n, 8, generator=g)
+            mla_decode.launch(ql, qp, ckv, kpe, None, None, 0.2, True, n - 1, False)
+    assert sorted(builds) == ["attention", "mla_decode", "sparse_attention"], builds

@@ -183,6 +183,31 @@ def test_out_of_range_ids_contribute_zero(interpret):
         check(out, expected, torch.float32)
 
 
+def test_refused_decode_kernels_fall_back_to_the_tiles(interpret, monkeypatch):
+    """A GPU that refuses the matrix-vector kernels (resources): the signature's plan takes the
+    tile kernels from then on, with one warning."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    class Refused:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                tried.append(1)
+                raise OutOfResources(1 << 20, 1 << 16, "shared memory")
+            return run
+
+    monkeypatch.setattr(K, "_moe_gemv_gate_up", Refused())
+    p = dict(dtype=torch.float32, T=3, E=5, K=2, H=24, I=20, fp8=False, block_n=128, block_k=128, fused=False,
+             tw_fp32=True, strided=False, active_frac=1.0, seed=21)
+    args = make(p)
+    cfg = {**CFG}  # a plan of this test's own
+    with pytest.warns(UserWarning, match="decode kernels refused"):
+        check(K.launch(*args, config=cfg), K.reference(*args), torch.float32)
+    check(K.launch(*args, config=cfg), K.reference(*args), torch.float32)
+    assert tried == [1], "tried once, then the plan takes the tiles"
+
+
 def test_decode_takes_two_matrix_vector_launches(interpret):
     """Up to GEMV_MAX_PAIRS pairs: two launches (no sort, no per-pair buffer to sum); above, the
     sort and the tile kernels; the two paths agree (float32 sums in another order)."""

@@ -247,8 +247,9 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
     try:
         index_sig = None if key_index is None else (key_index.dtype, key_index.device, key_index.dim())
-        signature = (q.shape, q.stride(), q.dtype, q.device, k_pool.shape, k_pool.stride(), k_pool.dtype,
-                     k_pool.device, v_pool.shape, v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
+        # the pools' row counts stay out: the ring-buffer and no-write paths gather each step's keys anew
+        signature = (q.shape, q.stride(), q.dtype, q.device, k_pool.shape[1:], k_pool.stride(), k_pool.dtype,
+                     k_pool.device, v_pool.shape[1:], v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
                      cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype, cu_k.device, max_q, scale,
                      window, softcap)
     except AttributeError:

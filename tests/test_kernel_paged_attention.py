@@ -189,6 +189,22 @@ def test_one_plan_serves_every_layer_of_a_step():
     assert len(plans) == 1
 
 
+def test_keys_gathered_anew_each_step_reuse_the_launch_plan(monkeypatch):
+    """The ring-buffer and no-write paths hand the launcher each step's keys as new tensors, their
+    row count growing: one launch plan serves every step (the rows stay out of its key)."""
+    from metainfer.lowering import aot
+
+    builds = []
+    real = P._Launch
+    monkeypatch.setattr(P, "_Launch", lambda *a: builds.append(1) or real(*a))
+    with aot._recording(89, names_only=True):
+        for past in range(10, 15):
+            q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(1, past), (1, 2 * past)], 2, 2, 16, 16, torch.float32,
+                                                      spare=0)
+            P.launch(q, kp[ki], vp[ki], None, cu_q, cu_k, mq, mk, 0.25)
+    assert builds == [1]
+
+
 def test_a_hand_made_case():
     """Two requests, one head: a fresh prompt of 2 tokens and a decode token after 2 cached
     keys. Keys 1 everywhere, values = row number, so each output is the mean of the rows kept."""

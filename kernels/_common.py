@@ -300,14 +300,15 @@ def smaller_config(config: dict) -> dict | None:
     return None
 
 
-# (launcher, its config, the tensors' dtypes and last dims) -> the config that fitted
+# launcher -> {(its config, the tensors' dtypes and last dims) -> the config that fitted}: only a
+# launcher that was refused once looks its fits up on later calls
 _fitted: dict = {}
 
 
-def _fit_key(kernel: str, config: dict, args) -> tuple:
+def _fit_key(config: dict, args) -> tuple:
     shapes = tuple((a.dtype, a.shape[-1] if a.dim() else 0) if isinstance(a, torch.Tensor) else type(a).__name__
                    for a in args)
-    return kernel, repr(sorted(config.items(), key=lambda kv: kv[0])), shapes
+    return repr(sorted(config.items(), key=lambda kv: kv[0])), shapes
 
 
 def retries_smaller(kernel: str, default_config=None):
@@ -321,10 +322,11 @@ def retries_smaller(kernel: str, default_config=None):
         @functools.wraps(launch)
         def launcher(*args, config: dict | None = None, **kwargs):
             cfg = config
-            # nothing added to a launch that fits: the key is built only once some launch was refused
-            if _fitted:
+            # nothing added to a launch that fits: the key is built only once this launcher was refused
+            fits = _fitted.get(kernel)
+            if fits:
                 base = config if config is not None else default_config(*args)
-                cfg = _fitted.get(_fit_key(kernel, base, args), config)
+                cfg = fits.get(_fit_key(base, args), config)
             while True:
                 try:
                     out = launch(*args, config=cfg, **kwargs)
@@ -338,7 +340,7 @@ def retries_smaller(kernel: str, default_config=None):
                     continue
                 if cfg is not config:
                     base = config if config is not None else default_config(*args)
-                    _fitted[_fit_key(kernel, base, args)] = cfg
+                    _fitted.setdefault(kernel, {})[_fit_key(base, args)] = cfg
                 return out
         return launcher
     return wrap

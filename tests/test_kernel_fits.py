@@ -118,6 +118,14 @@ def test_a_launch_without_a_config_steps_down_from_its_row(interpret, monkeypatc
     tried.clear()
     A.launch(*args)
     assert tried == [(16, 16, 1)]
+    # another launcher never refused pays no fit lookup (no row lookup per call on its path)
+    from metainfer.kernels import sparse_attention as S
+    from metainfer.lowering import aot
+
+    monkeypatch.setattr(_common, "_fit_key", lambda *a: pytest.fail("looked a fit up for a launcher never refused"))
+    idx = torch.zeros(1, 40, 4, dtype=torch.int32)
+    with aot._recording(89, names_only=True):
+        S.launch(q, k, v, idx, None, 0.25, True, 0, False, config=config_for_arch("sparse_attention", "interpreter"))
 
 
 def test_plans_that_looked_their_row_up_are_remade_when_a_target_activates_rows(monkeypatch):

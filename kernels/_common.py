@@ -119,6 +119,15 @@ def rows_of(kernel: str, name: str, t: torch.Tensor) -> tuple[int, int]:
     return rows.shape[0], rows.stride(0)
 
 
+def contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None, dense: bool = False) -> torch.Tensor:
+    """A new contiguous tensor of t's shape (in `dtype`, default t's). `dense`: t is contiguous
+    (a launch plan knows it), so a plain empty_like gives that layout (~0.7 us against ~1 us
+    with a memory format)."""
+    if dense:
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def strides_as(t: torch.Tensor, shape) -> tuple[int, ...]:
     """`t.expand(shape).stride()` without building the view: t's strides aligned to `shape` from
     the right, 0 on the dims t lacks or broadcasts (the caller has checked `broadcasts_to`)."""

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpreted, next_pow2
+from ._common import cdiv, interpreted, next_pow2, strides_as
 
 
 @triton.jit
@@ -72,6 +72,14 @@ def normalise(acc, l_i, row_ok, ZERO_EMPTY_ROWS: tl.constexpr):
 def mask_kind(mask) -> int:
     """The kernels' MASK_KIND: 0 no mask, 1 additive (float), 2 keep (bool)."""
     return 0 if mask is None else 2 if mask.dtype == torch.bool else 1
+
+
+def mask_operand(mask, like: torch.Tensor, shape: tuple) -> tuple:
+    """(tensor, strides) the kernels read a mask through: the mask broadcast to `shape` (stride 0
+    on broadcast dims, nothing copied); without one, `like` and zero strides (never read)."""
+    if mask is None:
+        return like, (0, 0, 0, 0)
+    return mask, strides_as(mask, shape)
 
 
 def dot_flags(dtype: torch.dtype) -> dict:

@@ -36,10 +36,10 @@ import triton.language as tl
 
 from . import _common
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._flash import (combine_splits, dot, flash_meta, masked_scores, normalise, soft_cap, softmax_step,
+from ._flash import (combine_splits, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step,
                      split_workspace)
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
-                      check_qkv, fail, next_pow2, retries_smaller, SplitRule, strides_as, tune_candidates)
+                      check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
 
 NAME = "attention"
 MAX_HEAD_DIM = 256
@@ -265,10 +265,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     out = torch.empty_like(q) if plan.contiguous_out else q.new_empty((plan.B, plan.Hq, plan.Sq, plan.Dv))
     if not plan.dims[0] * plan.B:
         return out
-    if mask is None:
-        m, mstrides = q, (0, 0, 0, 0)
-    else:
-        m, mstrides = mask, strides_as(mask, (plan.B, plan.Hq, plan.Sq, Sk))
+    m, mstrides = mask_operand(mask, q, (plan.B, plan.Hq, plan.Sq, Sk))
     splits, split_keys = plan.split(Sk) if plan.split is not None else (1, max(Sk, 1))
     if splits > 1:
         if splits > GRID_YZ_MAX:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, fail, cdiv, rows_of, check, check_float, signature
+from ._common import LaunchPlans, contiguous_like, fail, cdiv, rows_of, check, check_float, signature
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -57,7 +57,7 @@ class _Launch:
     def __init__(self, gate, up, activation, config):
         check_inputs(gate, up, activation)
         config = configs.config_for(NAME, gate.device) if config is None else config
-        self.same_layout = gate.is_contiguous()  # empty_like(gate) is then contiguous
+        self.same_layout = gate.is_contiguous()
         (n_rows, stride_g), stride_u = rows_of(NAME, "gate", gate), rows_of(NAME, "up", up)[1]
         self.dtype = out_dtype(gate, up)
         n_cols = gate.shape[-1]
@@ -74,8 +74,7 @@ def launch(gate, up, *, config: dict | None = None, activation: str = "silu") ->
     """Checks and decisions once per signature (a decode step's repeat every step); `config`
     None: the device's row."""
     plan = _launches.get(signature(gate, up, activation), config, _Launch, gate, up, activation, config)
-    y = (torch.empty_like(gate, dtype=plan.dtype) if plan.same_layout
-         else torch.empty_like(gate, dtype=plan.dtype, memory_format=torch.contiguous_format))
+    y = contiguous_like(gate, plan.dtype, plan.same_layout)
     if plan.grid is not None:
         _glu_fwd[plan.grid](gate, up, y, *plan.scalars, **plan.meta)
     return y

@@ -45,10 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (combine_splits, dot, flash_meta, masked_scores, normalise, softmax_step,
+from ._flash import (combine_splits, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step,
                      split_workspace)
-from ._common import (dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
-                      check_grid, next_pow2, strides_as)
+from ._common import (contiguous_like, dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
+                      check_grid, next_pow2)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
@@ -220,7 +220,7 @@ class _Launch:
     call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
 
     __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta", "meta_split",
-                 "contiguous_out", "head", "index_strides", "dims")
+                 "same_layout", "head", "index_strides", "dims")
 
     def __init__(self, q_latent, q_pe, ckv, kpe, indices, mask, causal, zero_empty_rows, config):
         config = default_config(q_latent) if config is None else config
@@ -243,7 +243,7 @@ class _Launch:
                                BLOCK_H=block_h, BLOCK_N=block_n,
                                BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)), SPLIT=False)
         self.meta_split = {**self.meta, "SPLIT": True}
-        self.contiguous_out = q_latent.is_contiguous()  # empty_like(q_latent) is then contiguous
+        self.same_layout = q_latent.is_contiguous()
         # the kernel's arguments that follow from the signature, around the per-call ones
         # (the caches' strides are read per call: a cache grown by concatenation moves them every step)
         self.head = (*q_latent.stride(), *q_pe.stride())
@@ -290,11 +290,10 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     if not (kpe.shape[1] == T > 0 and type(causal_offset) is int
             and (mask is None or broadcasts_to(mask.shape, (B, H, Sq, T)))):
         check_inputs(*args)
-    out = (torch.empty_like(q_latent) if plan.contiguous_out
-           else torch.empty_like(q_latent, memory_format=torch.contiguous_format))
+    out = contiguous_like(q_latent, dense=plan.same_layout)
     if B * H * Sq * R == 0:
         return out
-    m, mstrides = (q_latent, (0, 0, 0, 0)) if mask is None else (mask, strides_as(mask, (B, H, Sq, T)))
+    m, mstrides = mask_operand(mask, q_latent, (B, H, Sq, T))
     idx = q_latent if indices is None else indices
     splits, split_keys = plan.split(T if indices is None else plan.topk)
     if splits > 1:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._flash import dot, dot_flags
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import (LaunchPlans, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
+from ._common import (LaunchPlans, contiguous_like, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
                       next_pow2, out_of_resources, signature)
 
 NAME = "moe"
@@ -533,7 +533,7 @@ class _Launch:
         # decode's few pairs are sorted by expert in one program, else by torch ops
         self.align = _Align(T * K, E, BM) if T * K <= config.get("ALIGN_MAX_PAIRS", 0) else None
         self.ids_contiguous, self.ids_strides = topk_ids.is_contiguous(), topk_ids.stride()
-        self.same_layout = x.is_contiguous()  # empty_like(x) is then contiguous
+        self.same_layout = x.is_contiguous()
         self.grids = ((self.n_tiles, cdiv(I, BN)), (self.n_tiles, cdiv(H, BN)), (T, cdiv(H, _SUM_BLOCK_H)))
         zeros = (0, 0, 0)  # unused scale pointers get zero strides
         sg, su, sd = (s_gate.stride(), s_up.stride(), s_down.stride()) if fp8 else (zeros, zeros, zeros)
@@ -605,7 +605,7 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
         key = signature(*args)
     plan = _launches.get(key, config, _Launch, args, config)
     T, H, I, K, E, P = plan.T, plan.H, plan.I, plan.K, plan.E, plan.P
-    out = torch.empty_like(x) if plan.same_layout else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = contiguous_like(x, dense=plan.same_layout)
     if T == 0:
         return out
     if s_gate is None:  # unused pointers: any tensor (zero strides)

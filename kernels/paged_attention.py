@@ -171,11 +171,6 @@ def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: in
         fail(NAME, f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
 
 
-def _splits(config: dict, max_q: int, max_k: int, block_n: int) -> int:
-    """Key splits: only where each request has one query token (decode) and many keys."""
-    return _KeySplits(config, max_q, block_n)(max_k)[0]
-
-
 class _KeySplits:
     """How a launch splits each request's keys, read from its config once per launch signature:
     called with the longest request's key count (it moves every decode step), (splits, keys per

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, fail, rows_of, check, check_float, next_pow2, signature
+from ._common import LaunchPlans, contiguous_like, fail, rows_of, check, check_float, next_pow2, signature
 
 NAME = "rmsnorm"
 
@@ -93,13 +93,8 @@ def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, 
     signature (a decode step's repeat every step); `config` None: the device's row."""
     plan = _launches.get(signature(x, weight, eps, weight_offset, out_dtype, residual), config,
                          _Launch, x, weight, eps, weight_offset, out_dtype, residual, config)
-    if plan.same_layout:
-        y = torch.empty_like(x, dtype=out_dtype)
-        h = x if residual is None else torch.empty_like(x)
-    else:
-        contiguous = torch.contiguous_format
-        y = torch.empty_like(x, dtype=out_dtype, memory_format=contiguous)
-        h = x if residual is None else torch.empty_like(x, memory_format=contiguous)
+    y = contiguous_like(x, out_dtype, plan.same_layout)
+    h = x if residual is None else contiguous_like(x, dense=plan.same_layout)
     if residual is None:
         residual = x  # not read; nor is h written
     if plan.n_rows:

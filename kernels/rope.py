@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
+from ._common import LaunchPlans, contiguous_like, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
 
 NAME = "rope"
 
@@ -71,7 +71,7 @@ class _Launch:
     def __init__(self, x, cos, sin, config):
         check_inputs(x, cos, sin)
         config = configs.config_for(NAME, x.device) if config is None else config
-        self.same_layout = x.is_contiguous()  # empty_like(x) is then contiguous
+        self.same_layout = x.is_contiguous()
         self.dtype = out_dtype(x, cos, sin)
         shape = x.shape
         shape4 = (1,) * (4 - len(shape)) + tuple(shape)
@@ -91,8 +91,7 @@ def launch(x, cos, sin, *, config: dict | None = None) -> torch.Tensor:
     """Checks and decisions once per signature (a decode step's repeat every step); `config`
     None: the device's row."""
     plan = _launches.get(signature(x, cos, sin), config, _Launch, x, cos, sin, config)
-    y = (torch.empty_like(x, dtype=plan.dtype) if plan.same_layout
-         else torch.empty_like(x, dtype=plan.dtype, memory_format=torch.contiguous_format))
+    y = contiguous_like(x, plan.dtype, plan.same_layout)
     if plan.grid is not None:
         _rope_fwd[plan.grid](x, cos, sin, y, *plan.scalars, **plan.meta)
     return y

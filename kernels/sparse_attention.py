@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import dot, flash_meta, masked_scores, normalise, softmax_step
+from ._flash import dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
 from . import _common
 from ._common import (dot_block, FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
-                      next_pow2, retries_smaller, strides_as)
+                      next_pow2, retries_smaller)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 
 NAME = "sparse_attention"
@@ -251,7 +251,7 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     out = torch.empty_like(q) if plan.contiguous_out else q.new_empty((B, Hq, Sq, Dv))
     if B * Hq * Sq * Dv == 0:
         return out
-    m, mstrides = (q, (0, 0, 0, 0)) if mask is None else (mask, strides_as(mask, (B, Hq, Sq, Sk)))
+    m, mstrides = mask_operand(mask, q, (B, Hq, Sq, Sk))
     for b0, grid in plan.slices:
         _sparse_attention_fwd[grid](
             q, k, v, indices, m, out, *plan.head, *k.stride(), *v.stride(), *plan.index_strides, *mstrides,

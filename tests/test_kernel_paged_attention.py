@@ -96,7 +96,7 @@ def test_decode_batch_split_over_keys(contexts, group, interpret):
     """One query token per request (decode) over long contexts: the split the launcher picks."""
     q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(1, c) for c in contexts], 2, group, 16, 16, torch.float32)
     cfg = {**config_for("paged_attention", q.device), "KEYS_PER_SPLIT": 16, "MAX_SPLITS": 8}
-    assert P._splits(cfg, mq, mk, cfg["BLOCK_N"]) > 1 or mk <= 16
+    assert P._KeySplits(cfg, mq, cfg["BLOCK_N"])(mk)[0] > 1 or mk <= 16
     close(P.launch(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.25, config=cfg),
           P.reference(q, kp, vp, ki, cu_q, cu_k, 0.25), torch.float32)
 

@@ -59,7 +59,8 @@ def cases(mi) -> dict:
     wq, sq = randn(4096, 4096, dtype=e4m3), torch.rand(32, 32, generator=g)
     E, K, I = 16, 2, 256
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(torch.int32)
-    we, se = randn(E, I, 1024, dtype=e4m3), torch.rand(E, I // 128, 1024 // 128, generator=g)
+    wg, sg = randn(E, I, 1024, dtype=e4m3), torch.rand(E, I // 128, 1024 // 128, generator=g)
+    wu, su = randn(E, I, 1024, dtype=e4m3), torch.rand(E, I // 128, 1024 // 128, generator=g)
     wd, sd = randn(E, 1024, I, dtype=e4m3), torch.rand(E, 1024 // 128, I // 128, generator=g)
     xm, tw = randn(B, 1024), torch.ones(B, K)
     R, P, T = 512, 64, 2048
@@ -95,7 +96,7 @@ def cases(mi) -> dict:
         "swiglu": lambda: mi.swiglu(x, x),
         "rope": lambda: mi.rope(q, cos, sin),
         "fp8_linear (M=4)": lambda: mi.fp8_linear(x, wq, sq, None, 128, 128, False),
-        "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, tw, we, we, wd, se, se, sd,
+        "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, tw, wg, wu, wd, sg, su, sd,
                                                                       128, 128),
         "sparse_attention (top-64)": decode(lambda s: (lambda kk=ctx(k, S + s), vv=ctx(v, S + s): mi.sparse_attention(
             q, kk, vv, idx, None, D ** -0.5, True, S + s - 1, False, float("-inf")))),

@@ -5,8 +5,6 @@ several programs share one row's keys, each keeping its own online-softmax state
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -103,16 +101,9 @@ def flash_meta(dtype: torch.dtype, mask, causal, zero_empty_rows, config=None, *
     return meta
 
 
-def split_workspace(splits: int, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat float32 buffers on `like`'s device for `splits` partial results of `rows` output rows:
-    accumulators (split, row, dim) and row max and sum of exp (split, row, 2), in that order.
-    Every program writes its part, empty splits included, so nothing needs zeroing."""
-    return like.new_empty(splits * rows * dim, dtype=torch.float32), like.new_empty(splits * rows * 2, dtype=torch.float32)
-
-
 @triton.jit
 def _combine_splits(
-    ACC, ML, O, rows, dim, splits, stride_o,
+    WS, O, rows, dim, splits, stride_o,
     ZERO_EMPTY_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """O[r] = sum_s e^(m_s - m) acc_s[r] / sum_s e^(m_s - m) l_s[r]: the splits' online-softmax
@@ -124,11 +115,12 @@ def _combine_splits(
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    ML = WS + tl.cast(splits, tl.int64) * rows * dim  # SplitMerge.workspace's layout
     at = r  # row r of split s is at s * rows + r; stepped, so the index stays 64-bit
     for _ in range(0, splits):
         m_s = tl.load(ML + at * 2, mask=row_ok, other=float("-inf"))
         l_s = tl.load(ML + at * 2 + 1, mask=row_ok, other=0.0)
-        a_s = tl.load(ACC + at[:, None] * dim + d[None, :], mask=ok, other=0.0)
+        a_s = tl.load(WS + at[:, None] * dim + d[None, :], mask=ok, other=0.0)
         m_new = tl.maximum(m_i, m_s)
         # a split that kept no key (m_s = -inf) weighs 0; so do rows with none kept yet
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -142,20 +134,31 @@ def _combine_splits(
     tl.store(O + r[:, None] * stride_o + d[None, :], out.to(O.dtype.element_ty), mask=ok)
 
 
-def combine_splits(ws_acc: torch.Tensor, ws_ml: torch.Tensor, splits: int, out: torch.Tensor, rows: int, dim: int,
-                   zero_empty_rows: bool, row_stride: int | None = None) -> None:
-    """Write into `out` (`rows` rows of `dim`, unit stride along dim, rows `row_stride` apart;
-    default: contiguous) the merge of the `splits` partial
-    results in `split_workspace`'s buffers: one small launch. A row no split kept a key for gives
-    NaN, or 0 with `zero_empty_rows`, as the unsplit kernels do."""
-    grid, meta = _combine_launch(rows, dim, bool(zero_empty_rows))
-    _combine_splits[grid](ws_acc, ws_ml, out, rows, dim, splits, dim if row_stride is None else row_stride, **meta)
+class SplitMerge:
+    """The partial results of a launch's key splits (flash-decoding) for `rows` output rows of
+    `dim`, and their merge into the output, set up once per launch signature (a decode step
+    splits the same rows every step; only the split count moves with the context).
 
+    `workspace(splits, like)`: one flat float32 buffer on `like`'s device, the accumulators
+    (split, row, dim) then each row's max and sum of exp (split, row, 2) from `splits * rows *
+    dim` on (the kernels compute that offset: one allocation per call, not two). Every program
+    writes its part, empty splits included, so nothing needs zeroing.
+    `combine(ws, splits, out)`: one small launch writing into `out` (unit stride along dim,
+    rows `row_stride` apart, default contiguous) the exact merge; a row no split kept a key for
+    gives NaN, or 0 with `zero_empty_rows`, as the unsplit kernels do."""
 
-@functools.lru_cache(maxsize=256)
-def _combine_launch(rows: int, dim: int, zero_empty_rows: bool) -> tuple[tuple, dict]:
-    """combine_splits' grid and constants (a decode step asks for the same ones every step)."""
-    block_d = next_pow2(dim)
-    block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
-    return (cdiv(rows, block_r),), dict(ZERO_EMPTY_ROWS=zero_empty_rows, BLOCK_R=block_r, BLOCK_D=block_d,
-                                        num_warps=4)
+    __slots__ = ("rows", "dim", "per_split", "row_stride", "grid", "meta")
+
+    def __init__(self, rows: int, dim: int, zero_empty_rows: bool, row_stride: int | None = None):
+        self.rows, self.dim, self.per_split = rows, dim, rows * (dim + 2)
+        self.row_stride = dim if row_stride is None else row_stride
+        block_d = next_pow2(dim)
+        block_r = max(1, min(64, 4096 // block_d))  # about 4096 float32 accumulators per program
+        self.grid = (cdiv(rows, block_r),)
+        self.meta = dict(ZERO_EMPTY_ROWS=bool(zero_empty_rows), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+
+    def workspace(self, splits: int, like: torch.Tensor) -> torch.Tensor:
+        return like.new_empty(splits * self.per_split, dtype=torch.float32)
+
+    def combine(self, ws: torch.Tensor, splits: int, out: torch.Tensor) -> None:
+        _combine_splits[self.grid](ws, out, self.rows, self.dim, splits, self.row_stride, **self.meta)

@@ -18,7 +18,7 @@ Three implementations of the same function:
   program per (block of query rows, batch x head); key blocks above the causal diagonal are
   never visited, nor, with a window, those wholly before it. A decode step (one query block) with fewer batch x head programs than the GPU
   has SMs splits the keys over several programs (flash-decoding, grid axis 2): each writes its
-  unnormalised accumulator, row max and sum of exp, and `_flash.combine_splits` merges them
+  unnormalised accumulator, row max and sum of exp, and `_flash.SplitMerge` merges them
   exactly. The split count comes from the config (`_common.split_count`). On a CUDA GPU
   triton.autotune picks among the config row's AUTOTUNE alternatives per shape bucket;
 - `cpu_forward`: the CPU path, torch's fused SDPA kernel where it applies, else a
@@ -36,8 +36,7 @@ import triton.language as tl
 
 from . import _common
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._flash import (combine_splits, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step,
-                     split_workspace)
+from ._flash import (SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step)
 from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
                       check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
 
@@ -47,7 +46,7 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _attention_fwd(
-    Q, K, V, M, O, WS_ACC, WS_ML,
+    Q, K, V, M, O, WS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -60,7 +59,7 @@ def _attention_fwd(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,  # with CAUSAL: keys before the sliding window are dropped
     ZERO_EMPTY_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS (_flash.SplitMerge)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -125,10 +124,11 @@ def _attention_fwd(
         m_i = m_new
 
     if SPLIT:
-        # partial results in the output's row order (b, h, query), merged by combine_splits;
+        # partial results in the output's row order (b, h, query), merged by SplitMerge.combine;
         # a split past the causal limit still writes its empty state (m -inf, l 0)
         at = (split.to(tl.int64) * tl.num_programs(0) + pid_bh) * seq_q + offs_m
-        tl.store(WS_ACC + at[:, None] * head_dv + offs_dv[None, :], acc,
+        WS_ML = WS + tl.num_programs(2).to(tl.int64) * tl.num_programs(0) * seq_q * head_dv
+        tl.store(WS + at[:, None] * head_dv + offs_dv[None, :], acc,
                  mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
         tl.store(WS_ML + at * 2, m_i, mask=row_ok)
         tl.store(WS_ML + at * 2 + 1, l_i, mask=row_ok)
@@ -183,7 +183,7 @@ class _Launch:
     context grows by one each step; those two are read per call): blocks, constexprs, tuner, and
     the kernel's arguments that follow from the signature."""
 
-    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "bh", "q_blocks", "split", "meta", "meta_split", "candidates",
+    __slots__ = ("B", "Hq", "Sq", "Hkv", "D", "Dv", "bh", "q_blocks", "split", "merge", "meta", "meta_split", "candidates",
                  "contiguous_out", "head", "dims", "tail", "last")
 
     def __init__(self, q, k, v, mask, scale, causal, zero_empty_rows, softcap, window, config):
@@ -204,6 +204,7 @@ class _Launch:
         # flash-decoding: one query block (decode) and few (batch x head) programs split the keys
         split_any = self.q_blocks == 1 or "SPLITS" in config
         self.split = SplitRule(config, self.q_blocks * B * Hq, block_n) if split_any else None
+        self.merge = SplitMerge(B * Hq * Sq, Dv, zero_empty_rows) if split_any else None
         self.candidates = tune_candidates(config, clamp) if autotune else []
         check_grid((B * Hq, cdiv(Sq, min(c["BLOCK_M"] for c in self.candidates or [fixed])), 1), NAME,
                    f"{Sq} query rows")
@@ -270,12 +271,12 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     if splits > 1:
         if splits > GRID_YZ_MAX:
             check_grid((plan.bh, plan.q_blocks, splits), NAME, f"{plan.Sq} query rows")
-        ws_acc, ws_ml = split_workspace(splits, plan.bh * plan.Sq, plan.Dv, q)
+        ws = plan.merge.workspace(splits, q)
         meta = plan.meta_split
     else:
-        ws_acc = ws_ml = out  # not written
+        ws = out  # not written
         meta = plan.meta
-    args = (q, k, v, m, out, ws_acc, ws_ml, *plan.head, *k.stride(), *v.stride(), *mstrides, *plan.dims, Sk, *plan.tail,
+    args = (q, k, v, m, out, ws, *plan.head, *k.stride(), *v.stride(), *mstrides, *plan.dims, Sk, *plan.tail,
             causal_offset, split_keys, *plan.last)
     if len(plan.candidates) > 1:
         B, Hq, Sq = plan.B, plan.Hq, plan.Sq
@@ -285,7 +286,7 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
     else:
         _attention_fwd[(plan.bh, plan.q_blocks, splits)](*args, **meta)
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, splits, out, plan.bh * plan.Sq, plan.Dv, zero_empty_rows)
+        plan.merge.combine(ws, splits, out)
     return out
 
 

@@ -29,7 +29,7 @@ P up to 128 (DeepSeek: 64). Output contiguous in q_latent's dtype; accumulation 
   With few (query x batch x head-block) programs (batch-1 decode: one) the cache, or the row's
   TOPK index slots, is split over several programs (flash-decoding, grid axis 2): each writes its
   unnormalised accumulator, row max and sum of exp to a float32 workspace, and
-  `_flash.combine_splits` merges them exactly. How many splits: `_common.split_count` from the
+  `_flash.SplitMerge` merges them exactly. How many splits: `_common.split_count` from the
   config (kernels/configs.py: below SM_COUNT programs, >= SPLIT_MIN keys each).
   Causal: a program's keys stop at its row's limit, so splits past it write an empty state.
 - `cpu_forward`: torch, chunked over queries (dense: O(chunk x T) scores; sparse: gathers the
@@ -45,8 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._flash import (combine_splits, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step,
-                     split_workspace)
+from ._flash import SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
 from ._common import (contiguous_like, dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
@@ -76,7 +75,7 @@ DEFAULT_CONFIGS = {
 
 @triton.jit
 def _mla_fwd(
-    QL, QP, CKV, KPE, IDX, M, O, WS_ACC, WS_ML,
+    QL, QP, CKV, KPE, IDX, M, O, WS,
     stride_qlb, stride_qlh, stride_qlm, stride_qlr,
     stride_qpb, stride_qph, stride_qpm, stride_qpp,
     stride_cb, stride_cn, stride_cr,
@@ -90,7 +89,7 @@ def _mla_fwd(
     MASK_KIND: tl.constexpr,  # 0 none, 1 additive float, 2 boolean keep
     CAUSAL: tl.constexpr,
     ZERO_EMPTY_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS (_flash.SplitMerge)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -162,11 +161,12 @@ def _mla_fwd(
         m_i = m_new
 
     if SPLIT:
-        # partial results in the output's row order (b, head, query), merged by combine_splits
+        # partial results in the output's row order (b, head, query), merged by SplitMerge.combine
         batch = tl.num_programs(0) // head_blocks
         seq_q = tl.num_programs(1)
         at = ((split * batch + b) * num_heads + heads) * seq_q + i
-        tl.store(WS_ACC + at[:, None] * dim_r + offs_r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
+        WS_ML = WS + tl.num_programs(2).to(tl.int64) * batch * num_heads * seq_q * dim_r
+        tl.store(WS + at[:, None] * dim_r + offs_r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :])
         tl.store(WS_ML + at * 2, m_i, mask=row_ok)
         tl.store(WS_ML + at * 2 + 1, l_i, mask=row_ok)
     else:
@@ -219,7 +219,7 @@ class _Launch:
     """What a launch decides from everything but the cache length and causal offset (read per
     call: a decode step's cache grows by one each step): blocks, splits rule, constexprs."""
 
-    __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "meta", "meta_split",
+    __slots__ = ("B", "H", "Sq", "R", "P", "topk", "block_h", "head_blocks", "split", "merge", "meta", "meta_split",
                  "same_layout", "head", "index_strides", "dims")
 
     def __init__(self, q_latent, q_pe, ckv, kpe, indices, mask, causal, zero_empty_rows, config):
@@ -239,6 +239,7 @@ class _Launch:
         # flash-decoding: few (query x batch x head block) programs, batch-1 decode above all,
         # split the cache (or the top-k slots) over several programs
         self.split = SplitRule(config, Sq * B * self.head_blocks, block_n)
+        self.merge = SplitMerge(B * H * Sq, R, zero_empty_rows)
         self.meta = flash_meta(q_latent.dtype, mask, causal, zero_empty_rows, config, HAS_INDICES=indices is not None,
                                BLOCK_H=block_h, BLOCK_N=block_n,
                                BLOCK_R=max(16, next_pow2(R)), BLOCK_P=max(16, next_pow2(P)), SPLIT=False)
@@ -299,18 +300,18 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     if splits > 1:
         if splits > GRID_YZ_MAX:
             check_grid((B * plan.head_blocks, Sq, splits), NAME, f"{Sq} query rows")
-        ws_acc, ws_ml = split_workspace(splits, B * H * Sq, R, q_latent)
+        ws = plan.merge.workspace(splits, q_latent)
         meta = plan.meta_split
     else:
-        ws_acc = ws_ml = out  # not written
+        ws = out  # not written
         meta = plan.meta
     _mla_fwd[(B * plan.head_blocks, Sq, splits)](
-        q_latent, q_pe, ckv, kpe, idx, m, out, ws_acc, ws_ml, *plan.head, *ckv.stride(), *kpe.stride(),
+        q_latent, q_pe, ckv, kpe, idx, m, out, ws, *plan.head, *ckv.stride(), *kpe.stride(),
         *plan.index_strides, *mstrides, *plan.dims,
         T, plan.topk, R, plan.P, float(scale), causal_offset, split_keys, **meta,
     )
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, splits, out, B * H * Sq, R, zero_empty_rows)
+        plan.merge.combine(ws, splits, out)
     return out
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._flash import dot, dot_flags
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import (LaunchPlans, contiguous_like, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
+from ._common import (GuardedPlans, contiguous_like, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
                       next_pow2, out_of_resources, signature)
 
 NAME = "moe"
@@ -551,7 +551,7 @@ class _Gemv:
     """The decode path's two launches (`_moe_gemv_gate_up`, `_moe_gemv_down`): grids, arguments
     and constants, all fixed by the signature."""
 
-    __slots__ = ("h_shape", "grid_up", "grid_down", "args_up", "args_down", "meta")
+    __slots__ = ("h_numel", "grid_up", "grid_down", "args_up", "args_down", "meta")
 
     def __init__(self, args: tuple, config, fp8: bool):
         x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k = args
@@ -564,7 +564,7 @@ class _Gemv:
             bn, bk = min(bn, block_n), min(bk, block_k)
         zeros = (0, 0, 0)  # unused scale pointers get zero strides
         sg, su, sd = (s_gate.stride(), s_up.stride(), s_down.stride()) if fp8 else (zeros, zeros, zeros)
-        self.h_shape = (T * K, I)
+        self.h_numel = T * K * I  # (pairs, I), flat: an int size allocates faster than a shape
         self.grid_up, self.grid_down = (T * K, cdiv(I, bn)), (T, cdiv(H, bn))
         sizes = (K, E, H, I, block_n, block_k)
         self.args_up = (*sizes, *x.stride(), *topk_ids.stride(), *w_gate.stride(), *w_up.stride(), *sg, *su, I, 1)
@@ -573,7 +573,7 @@ class _Gemv:
 
 
 _SUM_BLOCK_H = 1024  # hidden columns per program of _moe_sum
-_launches = LaunchPlans()
+_launches = GuardedPlans()
 
 
 def default_config(x, *args) -> dict:
@@ -581,15 +581,9 @@ def default_config(x, *args) -> dict:
     return configs.config_for(NAME, x.device)
 
 
-def _signature(x, ids, tw, wg, wu, wd, sg, su, sd, block_n, block_k) -> tuple:
-    """`_common.signature` of the arguments, written out (a decode step pays it per MoE layer:
-    ~1 us less than the generic loop over eleven arguments)."""
-    return (x.shape, x.stride(), x.dtype, x.device, ids.shape, ids.stride(), ids.dtype, ids.device,
-            tw.shape, tw.stride(), tw.dtype, tw.device, wg.shape, wg.stride(), wg.dtype, wg.device,
-            wu.shape, wu.stride(), wu.dtype, wu.device, wd.shape, wd.stride(), wd.dtype, wd.device,
-            None if sg is None else (sg.shape, sg.stride(), sg.dtype, sg.device),
-            None if su is None else (su.shape, su.stride(), su.dtype, su.device),
-            None if sd is None else (sd.shape, sd.stride(), sd.dtype, sd.device), block_n, block_k)
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards: `_common.signature` of the launch's arguments."""
+    return signature(*args)
 
 
 @retries_smaller(NAME, default_config)
@@ -599,11 +593,14 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
     BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, ALIGN_MAX_PAIRS. Checks and decisions once
     per signature."""
     args = (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
-    try:
-        key = _signature(*args)
-    except AttributeError:  # an argument that is not a tensor: the checks name it
-        key = signature(*args)
-    plan = _launches.get(key, config, _Launch, args, config)
+    if s_gate is None:
+        plan = _launches.get_guarded((block_n, block_k, s_up is None, s_down is None),
+                                     (x, topk_ids, topk_weights, w_gate, w_up, w_down), config, _key, _Launch,
+                                     args, config)
+    else:
+        plan = _launches.get_guarded((block_n, block_k, s_up is None, s_down is None),
+                                     (x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down), config,
+                                     _key, _Launch, args, config)
     T, H, I, K, E, P = plan.T, plan.H, plan.I, plan.K, plan.E, plan.P
     out = contiguous_like(x, dense=plan.same_layout)
     if T == 0:
@@ -612,7 +609,7 @@ def launch(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=No
         s_gate = s_up = s_down = w_gate
     gemv = plan.gemv
     if gemv is not None:  # decode: two launches, no sort
-        h = x.new_empty(gemv.h_shape)
+        h = x.new_empty(gemv.h_numel)
         try:
             _moe_gemv_gate_up[gemv.grid_up](x, w_gate, w_up, s_gate, s_up, topk_ids, h, *gemv.args_up, **gemv.meta)
             _moe_gemv_down[gemv.grid_down](h, w_down, s_down, topk_ids, topk_weights, out, *gemv.args_down,

@@ -15,7 +15,7 @@ The kernel runs one program per (request, block of query rows, kv head, key spli
 rows are (token, query head of the group) pairs, so the group's heads share every K/V tile it
 loads (what decode needs: one token, G heads). With several key splits (flash-decoding, for
 decode steps over long contexts) each split writes its partial max, sum and accumulator and
-`_flash.combine_splits` merges them (one small launch, shared with attention and mla_decode);
+`_flash.SplitMerge` merges them (one small launch, shared with attention and mla_decode);
 with one split the kernel writes the output itself.
 
 Three implementations of the same function:
@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import LaunchPlans, fail, cdiv, retries_smaller, check_float, next_pow2
+from ._common import GuardedPlans, fail, cdiv, retries_smaller, check_float, next_pow2
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._flash import combine_splits, dot, dot_flags, normalise, soft_cap, softmax_step, split_workspace
+from ._flash import SplitMerge, dot, dot_flags, normalise, soft_cap, softmax_step
 
 NAME = "paged_attention"
 MAX_HEAD_DIM = 256
@@ -47,7 +47,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit
 def _paged_fwd(
-    Q, K, V, KI, CU_Q, CU_K, O, WS_ACC, WS_ML,
+    Q, K, V, KI, CU_Q, CU_K, O, WS,
     stride_qt, stride_qh, stride_qd,
     stride_kr, stride_kh, stride_kd,
     stride_vr, stride_vh, stride_vd,
@@ -55,7 +55,7 @@ def _paged_fwd(
     group, head_d, head_dv, num_q_heads, total_q, blocks_per_request, split_keys,
     scale, softcap, window,
     KEYS_IN_ORDER: tl.constexpr,  # no key index: request r's keys are rows cu_k[r]: of K / V
-    SPLIT: tl.constexpr,  # several key splits: write partial results to WS_ACC / WS_ML
+    SPLIT: tl.constexpr,  # several key splits: write partial results to WS (_flash.SplitMerge)
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,  # keys before each query's sliding window are dropped
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -121,9 +121,10 @@ def _paged_fwd(
 
     tok = q0 + t
     if SPLIT:
-        # partial results, in (split, token, head) order; merged by combine_splits
+        # partial results, in (split, token, head) order; merged by SplitMerge.combine
         base = (split * total_q + tok) * num_q_heads + h
-        tl.store(WS_ACC + base[:, None] * head_dv + offs_dv[None, :], acc,
+        WS_ML = WS + tl.num_programs(2).to(tl.int64) * total_q * num_q_heads * head_dv
+        tl.store(WS + base[:, None] * head_dv + offs_dv[None, :], acc,
                  mask=row_ok[:, None] & (offs_dv[None, :] < head_dv))
         tl.store(WS_ML + base * 2, m_i, mask=row_ok)
         tl.store(WS_ML + base * 2 + 1, l_i, mask=row_ok)
@@ -177,27 +178,33 @@ class _KeySplits:
     split), splits starting on BLOCK_N boundaries. Without a forced SPLITS count only decode
     (one query token per request) splits, at most MAX_SPLITS, one per KEYS_PER_SPLIT keys."""
 
-    __slots__ = ("forced", "most", "per", "block_n")
+    __slots__ = ("forced", "most", "per", "block_n", "last")
 
     def __init__(self, config, max_q: int, block_n: int):
         forced = config.get("SPLITS")
         self.forced = None if forced is None else max(1, int(forced))
         self.most = 1 if max_q != 1 else config.get("MAX_SPLITS", 8)
         self.per, self.block_n = config.get("KEYS_PER_SPLIT", 512), block_n
+        self.last = (None, None)  # (max_k, answer): every layer of a decode step asks the same
 
     def __call__(self, max_k: int) -> tuple[int, int]:
+        last = self.last
+        if last[0] == max_k:
+            return last[1]
         keys = max(max_k, 1)
         splits = self.forced if self.forced is not None else max(1, min(self.most, -(-max_k // self.per)))
         block_n = self.block_n
         split_keys = -(-(-(-keys // splits)) // block_n) * block_n
-        return -(-keys // split_keys), split_keys
+        answer = (-(-keys // split_keys), split_keys)
+        self.last = (max_k, answer)
+        return answer
 
 
 class _Launch:
     """What a launch decides from everything but the longest request's key count (read per call:
     it grows every decode step): blocks, grid, constexprs."""
 
-    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "meta_split", "block_n", "splits",
+    __slots__ = ("empty", "n", "blocks", "Hkv", "Dv", "scalars", "meta", "meta_split", "block_n", "splits", "merge",
                  "out_shape", "contiguous_out", "head", "tail")
 
     def __init__(self, q, k_pool, v_pool, key_index, cu_q, max_q, scale, window, softcap, config):
@@ -219,13 +226,16 @@ class _Launch:
         )
         self.meta_split = {**self.meta, "SPLIT": True}
         self.splits = _KeySplits(config, max_q, self.block_n)
+        self.merge = SplitMerge(Tq * Hq, Dv, True)  # rows in (token, head) order
         self.out_shape, self.contiguous_out = (Tq, Hq, Dv), Dv == D and q.is_contiguous()
         # the kernel's arguments that follow from the signature, around the per-call ones
         self.head = (*q.stride(), *k_pool.stride(), *v_pool.stride(), Hq * Dv, Dv, 1, *self.scalars)
         self.tail = (float(scale), float(softcap or 1.0), int(window))
 
 
-_launches = LaunchPlans()
+# the pools' row counts are not part of a plan: the ring-buffer and no-write paths gather each
+# step's keys anew; nor is the key index' length
+_launches = GuardedPlans(rows_vary=(1, 2, 5))
 
 
 def default_config(q, *args) -> dict:
@@ -240,16 +250,12 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
     the grid without reading cu_q / cu_k on the host. Checks and decisions that do not depend on
     max_k or the key index's length are made once per signature."""
     args = (q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, max_k, scale, window, softcap)
-    try:
-        index_sig = None if key_index is None else (key_index.dtype, key_index.device, key_index.dim())
-        # the pools' row counts stay out: the ring-buffer and no-write paths gather each step's keys anew
-        signature = (q.shape, q.stride(), q.dtype, q.device, k_pool.shape[1:], k_pool.stride(), k_pool.dtype,
-                     k_pool.device, v_pool.shape[1:], v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
-                     cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype, cu_k.device, max_q, scale,
-                     window, softcap)
-    except AttributeError:
-        signature = check_inputs(*args)  # raises: an input is not a tensor
-    plan = _launches.get(signature, config, _checked_launch, args, config)
+    if key_index is None:
+        plan = _launches.get_guarded((max_q, scale, window, softcap, False), (q, k_pool, v_pool, cu_q, cu_k), config,
+                                     _key, _checked_launch, args, config)
+    else:
+        plan = _launches.get_guarded((max_q, scale, window, softcap, True), (q, k_pool, v_pool, cu_q, cu_k, key_index),
+                                     config, _key, _checked_launch, args, config)
     if not (type(max_k) is int and max_k >= 0):
         check_inputs(*args)
     out = torch.empty_like(q) if plan.contiguous_out else q.new_empty(plan.out_shape)
@@ -257,19 +263,32 @@ def launch(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: int, sca
         return out
     splits, split_keys = plan.splits(max_k)
     if splits > 1:
-        rows = plan.out_shape[0] * plan.out_shape[1]
-        ws_acc, ws_ml = split_workspace(splits, rows, plan.Dv, q)  # rows in (token, head) order
+        ws = plan.merge.workspace(splits, q)
         meta = plan.meta_split
     else:
-        ws_acc = ws_ml = out  # not written
+        ws = out  # not written
         meta = plan.meta
     _paged_fwd[(plan.n * plan.blocks, plan.Hkv, splits)](
-        q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws_acc, ws_ml,
+        q, k_pool, v_pool, cu_q if key_index is None else key_index, cu_q, cu_k, out, ws,
         *plan.head, split_keys, *plan.tail, **meta,
     )
     if splits > 1:
-        combine_splits(ws_acc, ws_ml, splits, out, rows, plan.Dv, zero_empty_rows=True)
+        plan.merge.combine(ws, splits, out)
     return out
+
+
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards: the signature without the pools' row counts and the key
+    index' length."""
+    q, k_pool, v_pool, key_index, cu_q, cu_k, max_q, _, scale, window, softcap = args
+    try:
+        index_sig = None if key_index is None else (key_index.dtype, key_index.device, key_index.dim())
+        return (q.shape, q.stride(), q.dtype, q.device, k_pool.shape[1:], k_pool.stride(), k_pool.dtype,
+                k_pool.device, v_pool.shape[1:], v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
+                cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype, cu_k.device, max_q, scale,
+                window, softcap)
+    except AttributeError:
+        return check_inputs(*args)  # raises: an input is not a tensor
 
 
 def _checked_launch(args: tuple, config) -> _Launch:

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from metainfer.kernels import KernelInputError
 from metainfer.kernels import attention as A
+from metainfer.kernels._flash import SplitMerge
 from metainfer.kernels.configs import config_for
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -240,7 +241,7 @@ def test_key_splits_match_reference(p, interpret):
     q, k, v, mask, scale = make(p, noncontig=p["Sq"] % 2 == 0)
     args = op_args(p, q, k, v, mask, scale)
     cfg = {**config_for("attention", q.device, head_dim=max(p["D"], p["Dv"]), dtype=q.dtype), "SPLITS": p["splits"]}
-    with spy(A, "combine_splits") as combined:
+    with spy(SplitMerge, "combine") as combined:
         check(A.launch(*args, config=cfg), A.reference(*args), p["dtype"])
     assert len(combined) == (p["Sk"] > cfg["BLOCK_N"])  # one key block cannot be split
 
@@ -254,7 +255,7 @@ def test_launcher_splits_only_few_programs_over_long_keys(interpret):
     for (B, Hq, Sq, Sk), split in [((1, 2, 1, 64), True), ((1, 3, 7, 40), True), ((2, 2, 1, 64), False),
                                     ((1, 2, 40, 64), False), ((1, 2, 1, 31), False)]:
         q, k, v = torch.randn(B, Hq, Sq, 16), torch.randn(B, 1, Sk, 16), torch.randn(B, 1, Sk, 16)
-        with spy(A, "combine_splits") as combined:
+        with spy(SplitMerge, "combine") as combined:
             check(A.launch(q, k, v, None, 0.25, True, Sk - Sq, config=cfg),
                   A.reference(q, k, v, None, 0.25, True, Sk - Sq), torch.float32)
         assert bool(combined) == split, (B, Hq, Sq, Sk)
@@ -276,12 +277,14 @@ def test_split_count_rule():
 @pytest.mark.parametrize("dim", [8, 40, 130])
 @pytest.mark.parametrize("zero_empty", [False, True])
 def test_combine_merges_partial_softmax_states(dim, zero_empty, interpret):
-    """_flash.combine_splits against the merge written in torch: splits with no key (max -inf,
+    """_flash.SplitMerge's combine against the merge written in torch: splits with no key (max -inf,
     sum 0), rows no split kept a key for (NaN, or 0), row counts not a multiple of its block."""
-    from metainfer.kernels._flash import combine_splits, split_workspace
-
     splits, rows = 3, 37
-    acc, ml = split_workspace(splits, rows, dim, torch.empty(0))
+    out = torch.empty(rows, dim + 3)[:, :dim]  # rows strided wider than dim
+    merge = SplitMerge(rows, dim, zero_empty, row_stride=out.stride(0))
+    ws = merge.workspace(splits, torch.empty(0))  # accumulators, then (max, sum) per row
+    assert ws.shape == (splits * rows * (dim + 2),)
+    acc, ml = ws[:splits * rows * dim], ws[splits * rows * dim:]
     m, l = torch.randn(splits, rows) * 3, torch.rand(splits, rows) + 0.5
     empty = torch.rand(splits, rows) < 0.3
     empty[:, :2] = True  # rows 0 and 1: no key in any split
@@ -292,8 +295,7 @@ def test_combine_merges_partial_softmax_states(dim, zero_empty, interpret):
     want = (w[..., None] * acc).sum(0) / (w * l).sum(0)[:, None]
     if zero_empty:
         want = want.nan_to_num(nan=0.0)
-    out = torch.empty(rows, dim + 3)[:, :dim]  # rows strided wider than dim
-    combine_splits(acc, ml, splits, out, rows, dim, zero_empty, row_stride=out.stride(0))
+    merge.combine(ws, splits, out)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert torch.isnan(out[:2]).all() != zero_empty
 

@@ -227,6 +227,22 @@ def test_decode_takes_two_matrix_vector_launches(interpret):
     check(K.launch(*args, config=CFG), K.launch(*args, config=TILES), torch.float32)
 
 
+def test_decode_steps_find_their_plan_by_its_guard(monkeypatch):
+    """Each decode step brings new activations, ids and weights of the pairs (same shapes) to the
+    same weights: one plan, found after the first step by the guard alone (no signature read)."""
+    from metainfer.lowering import aot
+
+    keyed, real_key = [], K._key
+    monkeypatch.setattr(K, "_key", lambda *a: keyed.append(1) or real_key(*a))
+    p = dict(dtype=torch.bfloat16, T=4, E=16, K=2, H=40, I=24, fp8=True, block_n=16, block_k=32, fused=True,
+             tw_fp32=True, strided=False, active_frac=1.0, seed=3)
+    x, ids, tw, *weights = make(p)
+    with aot._recording(89, names_only=True) as launches:
+        for step in range(5):
+            K.launch(x.clone(), ids.clone(), tw.clone(), *weights)
+    assert keyed == [1] and launches.count("moe._moe_gemv_down") == 5
+
+
 def test_more_picks_than_local_experts(interpret):
     """An expert-parallel rank: top-4 over 8 experts, this rank holding experts 2..3 as its
     local 0..1; ids of other ranks' experts fall outside [0, 2) and contribute nothing."""

@@ -194,15 +194,18 @@ def test_keys_gathered_anew_each_step_reuse_the_launch_plan(monkeypatch):
     row count growing: one launch plan serves every step (the rows stay out of its key)."""
     from metainfer.lowering import aot
 
-    builds = []
-    real = P._Launch
+    builds, keyed = [], []
+    real, real_key = P._Launch, P._key
     monkeypatch.setattr(P, "_Launch", lambda *a: builds.append(1) or real(*a))
+    monkeypatch.setattr(P, "_key", lambda *a: keyed.append(1) or real_key(*a))
     with aot._recording(89, names_only=True):
         for past in range(10, 15):
             q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(1, past), (1, 2 * past)], 2, 2, 16, 16, torch.float32,
                                                       spare=0)
             P.launch(q, kp[ki], vp[ki], None, cu_q, cu_k, mq, mk, 0.25)
-    assert builds == [1]
+            P.launch(q, kp, vp, ki, cu_q, cu_k, mq, mk, 0.25)  # a key index one step longer each time
+    assert builds == [1, 1], "one plan with a key index, one without"
+    assert keyed == [1, 1], "each found by its guard from the second step on"
 
 
 def test_a_hand_made_case():

@@ -352,10 +352,12 @@ def test_mla_empty_rows_nan_or_zero(interpret):
 
 
 @contextlib.contextmanager
-def combined(module):
-    """Count the merges of key splits launched inside the block."""
-    calls, real = [], module.combine_splits
-    with mock.patch.object(module, "combine_splits", lambda *a, **k: calls.append(a) or real(*a, **k)):
+def combined():
+    """Count the merges of key splits launched inside the block (each call: merge, ws, splits, out)."""
+    from metainfer.kernels._flash import SplitMerge
+
+    calls, real = [], SplitMerge.combine
+    with mock.patch.object(SplitMerge, "combine", lambda *a, **k: calls.append(a) or real(*a, **k)):
         yield calls
 
 
@@ -367,7 +369,7 @@ def test_mla_key_splits_match_reference(sparse, p, splits, interpret):
     offsets, masks and padded slots that leave rows empty, both empty-row conventions."""
     args = make_mla(p, sparse)
     keys = p["topk"] if sparse else p["Sk"]
-    with combined(MLA) as calls:
+    with combined() as calls:
         check(MLA.launch(*args, config=cfg(MLA, BLOCK_N=16, SPLITS=splits)), MLA.reference(*args), p["dtype"])
     assert len(calls) == (keys > 16)  # one block of keys cannot be split
 
@@ -383,7 +385,7 @@ def test_mla_batch1_decode_splits_the_cache(interpret):
     ckv, kpe = torch.randn(1, 70, 64, generator=g), torch.randn(1, 70, 16, generator=g)
     for idx in (None, make_indices(g, 1, 1, 70, 40, 0.2, torch.int32, False)):
         args = (ql, qp, ckv, kpe, idx, None, 0.1, True, 69, False)
-        with combined(MLA) as calls:
+        with combined() as calls:
             check(MLA.launch(*args, config=config_for("mla_decode", ql.device)), MLA.reference(*args), torch.float32)
         assert len(calls) == 1 and calls[0][2] == (3 if idx is None else 2)  # the split count
 

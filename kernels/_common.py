@@ -296,36 +296,39 @@ class _MetadataGuard:
     """The Python stand-in for TensorGuards where torch lacks it or refuses the tensors (one
     tensor given twice): dtype, device, requires_grad, sizes and strides, ~5x slower."""
 
-    __slots__ = ("expected",)
+    __slots__ = ("expected", "loose")
 
-    def __init__(self, tensors: tuple, dynamic_sizes: list):
-        self.expected = tuple(_metadata(t, sizes) for t, sizes in zip(tensors, dynamic_sizes))
+    def __init__(self, tensors: tuple, sizes: list, strides: list):
+        self.loose = tuple((tuple(n is None for n in sz), tuple(n is None for n in st)) for sz, st in zip(sizes, strides))
+        self.expected = tuple(_metadata(t, loose) for t, loose in zip(tensors, self.loose))
 
     def check(self, *tensors) -> bool:
         if len(tensors) != len(self.expected):
             raise TypeError("wrong length")  # as TensorGuards does
-        return all(isinstance(t, torch.Tensor) and _metadata(t, e[0]) == e for t, e in zip(tensors, self.expected))
+        return all(isinstance(t, torch.Tensor) and t.dim() == len(loose[0]) and _metadata(t, loose) == e
+                   for t, loose, e in zip(tensors, self.loose, self.expected))
 
 
-def _metadata(t: torch.Tensor, sizes) -> tuple:
-    # sizes: the expected sizes with None where any size passes
-    shape = tuple(None if want is None else n for n, want in zip(t.shape, sizes)) if len(sizes) == t.dim() else None
-    return shape, t.stride(), t.dtype, t.device, t.requires_grad
+def _metadata(t: torch.Tensor, loose: tuple) -> tuple:
+    # loose: (size may vary, stride may vary) per dim, as booleans
+    return (tuple(None if free else n for n, free in zip(t.shape, loose[0])),
+            tuple(None if free else n for n, free in zip(t.stride(), loose[1])), t.dtype, t.device, t.requires_grad)
 
 
 class GuardedPlans(LaunchPlans):
     """LaunchPlans with the few plans used last in front, each found by one guard check over the
     launch's tensors instead of a Python signature hashed per call. Dynamo's TensorGuards checks
-    dtype, device, dispatch keys, requires_grad, sizes and strides of every tensor in C++ (~0.12 us a
-    tensor against ~0.45 us to read one tensor's signature in Python): for launchers with many
-    tensors (MoE's nine) that repeat every decode step.
+    dtype, device, dispatch keys, requires_grad, sizes and strides of every tensor in C++
+    (~0.12 us a tensor against ~0.45 us to read one tensor's signature in Python).
 
-    `rows_vary`: positions in the launch's tensors whose first dimension may take any size
-    (paged attention's pools and key index). A miss falls back to the signature dict behind."""
+    `vary`: {position in the launch's tensors: (dims whose size may vary, dims whose stride may
+    vary)}, None for every dim; what a plan does not depend on (a decode cache's length, and its
+    strides when it grows by concatenation; paged attention's pool rows). The rank is always
+    checked. A miss falls back to the signature dict behind."""
 
-    def __init__(self, rows_vary: tuple[int, ...] = (), recent: int = 8, limit: int = 1024):
+    def __init__(self, vary: dict | None = None, recent: int = 8, limit: int = 1024):
         super().__init__(limit)
-        self._rows_vary, self._recent_max = rows_vary, recent
+        self._vary, self._recent_max = vary or {}, recent
         self._recent: tuple = ()  # (state, config, guard, plan), the last used first; replaced, never mutated
 
     def get_guarded(self, scalars: tuple, tensors: tuple, config, key_fn, build, *build_args):
@@ -346,20 +349,19 @@ class GuardedPlans(LaunchPlans):
         return plan
 
     def _guard(self, tensors: tuple):
-        vary = self._rows_vary
-        sizes = [[None if (d == 0 and i in vary) else n for d, n in enumerate(t.shape)] for i, t in enumerate(tensors)]
+        sizes, strides = [], []
+        for i, t in enumerate(tensors):
+            free_sizes, free_strides = self._vary.get(i, ((), ()))
+            sizes.append([None if free_sizes is None or d in free_sizes else n for d, n in enumerate(t.shape)])
+            strides.append([None if free_strides is None or d in free_strides else n for d, n in enumerate(t.stride())])
         # TensorGuards passes only distinct tensors (Dynamo guards aliasing apart): a launch given one
         # tensor twice (gate and up weights tied) gets the Python guard
         if _TensorGuards is not None and len({id(t) for t in tensors}) == len(tensors):
             try:
-                return _TensorGuards(*tensors, dynamic_dims_sizes=sizes,
-                                     dynamic_dims_strides=[list(t.stride()) for t in tensors])
+                return _TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
             except (TypeError, RuntimeError):  # a tensor it refuses: the Python guard checks the same
                 pass
-        return _MetadataGuard(tensors, sizes)
-
-    def clear_recent(self) -> None:
-        self._recent = ()
+        return _MetadataGuard(tensors, sizes, strides)
 
 
 def signature(*args) -> tuple:

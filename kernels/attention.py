@@ -37,7 +37,7 @@ import triton.language as tl
 from . import _common
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._flash import (SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step)
-from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, LaunchPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
+from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, GuardedPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
                       check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
 
 NAME = "attention"
@@ -222,7 +222,8 @@ class _Launch:
         self.last = (float(softcap or 1.0), int(window))
 
 
-_launches = LaunchPlans()
+# k / v: the key count, and the strides a cache grown by concatenation moves; the mask: its shape
+_launches = GuardedPlans(vary={1: ((2,), None), 2: ((2,), None), 3: (None, None)})
 
 
 def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -> tuple | None:
@@ -236,6 +237,14 @@ def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -
                 Bv, Hv, Dv, v.dtype, v.device, mask_sig, scale, causal, zero_empty_rows, softcap, window)
     except (AttributeError, ValueError, TypeError):
         return None
+
+
+def _key(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config) -> tuple:
+    """The plan's key behind the guards."""
+    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window)
+    if signature is None:
+        check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
+    return signature
 
 
 def default_config(q, k, v, *args) -> dict:
@@ -254,11 +263,9 @@ def launch(q, k, v, mask, scale: float, causal: bool, causal_offset: int, zero_e
 
     The checks and decisions that do not depend on the key count are made once per signature
     (`_launches`); per call only the key count, the causal offset and the mask's shape are checked."""
-    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window)
-    if signature is None:
-        check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    plan = _launches.get(signature, config, _checked_launch, q, k, v, mask, scale, causal, causal_offset,
-                         zero_empty_rows, softcap, window, config)
+    plan = _launches.get_guarded((scale, causal, zero_empty_rows, softcap, window),
+                                 (q, k, v) if mask is None else (q, k, v, mask), config, _key, _checked_launch,
+                                 q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config)
     Sk = k.shape[2]
     if not (v.shape[2] == Sk and type(causal_offset) is int
             and (mask is None or broadcasts_to(mask.shape, (plan.B, plan.Hq, plan.Sq, Sk)))):

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
-from ._common import (contiguous_like, dot_block, GRID_YZ_MAX, LaunchPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
+from ._common import (contiguous_like, dot_block, GRID_YZ_MAX, GuardedPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
@@ -252,7 +252,12 @@ class _Launch:
         self.dims = (H * Sq * R, Sq * R, R, 1, H, self.head_blocks)
 
 
-_launches = LaunchPlans()
+# one per (index given, mask given): the guarded tensors are (q_latent, q_pe, ckv, kpe[, indices][, mask]);
+# the caches' length, and the strides a cache grown by concatenation moves; the mask's shape
+_CACHES = {2: ((1,), None), 3: ((1,), None)}
+_launches = {(False, False): GuardedPlans(vary=_CACHES), (True, False): GuardedPlans(vary=_CACHES),
+             (False, True): GuardedPlans(vary={**_CACHES, 4: (None, None)}),
+             (True, True): GuardedPlans(vary={**_CACHES, 5: (None, None)})}
 
 
 def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
@@ -270,6 +275,15 @@ def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empt
         return None
 
 
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards."""
+    q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, _, zero_empty_rows = args
+    signature = _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows)
+    if signature is None:
+        check_inputs(*args)
+    return signature
+
+
 def default_config(q_latent, *args) -> dict:
     """The config row for the inputs' device (kernels/configs.py)."""
     return configs.config_for(NAME, q_latent.device)
@@ -282,10 +296,13 @@ def launch(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: bool, 
     split's SM_COUNT, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count; _common.SplitRule).
     Checks and decisions that do not depend on the cache length are made once per signature."""
     args = (q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, causal_offset, zero_empty_rows)
-    signature = _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows)
-    if signature is None:
-        check_inputs(*args)
-    plan = _launches.get(signature, config, _checked_launch, args, config)
+    tensors = (q_latent, q_pe, ckv, kpe)
+    if indices is not None:
+        tensors += (indices,)
+    if mask is not None:
+        tensors += (mask,)
+    plan = _launches[indices is not None, mask is not None].get_guarded((scale, causal, zero_empty_rows), tensors,
+                                                                        config, _key, _checked_launch, args, config)
     T = ckv.shape[1]
     B, H, Sq, R = plan.B, plan.H, plan.Sq, plan.R
     if not (kpe.shape[1] == T > 0 and type(causal_offset) is int

@@ -235,7 +235,7 @@ class _Launch:
 
 # the pools' row counts are not part of a plan: the ring-buffer and no-write paths gather each
 # step's keys anew; nor is the key index' length
-_launches = GuardedPlans(rows_vary=(1, 2, 5))
+_launches = GuardedPlans(vary={1: ((0,), ()), 2: ((0,), ()), 5: ((0,), ())})
 
 
 def default_config(q, *args) -> dict:

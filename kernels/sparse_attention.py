@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
 from . import _common
-from ._common import (dot_block, FLOAT_DTYPES, LaunchPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
+from ._common import (dot_block, FLOAT_DTYPES, GuardedPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       next_pow2, retries_smaller)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 
@@ -210,7 +210,8 @@ class _Launch:
         self.dims = (Hq * Sq * Dv, Sq * Dv, Dv, 1, Hkv, self.group, head_blocks)
 
 
-_launches = LaunchPlans()
+# k / v: the key count, and the strides a cache grown by concatenation moves; the mask: its shape
+_launches = GuardedPlans(vary={1: ((2,), None), 2: ((2,), None), 4: (None, None)})
 
 
 def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
@@ -227,6 +228,15 @@ def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple 
         return None
 
 
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards."""
+    q, k, v, indices, mask, scale, causal, _, zero_empty_rows = args
+    signature = _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows)
+    if signature is None:
+        check_inputs(*args)
+    return signature
+
+
 def default_config(q, k, v, *args) -> dict:
     """The config row for these inputs on their device (kernels/configs.py)."""
     return configs.config_for(NAME, q.device, head_dim=max(q.shape[-1], v.shape[-1]))
@@ -239,10 +249,9 @@ def launch(q, k, v, indices, mask, scale: float, causal: bool, causal_offset: in
     BLOCK_N, num_warps, num_stages. Checks and decisions that do not depend on the key count are
     made once per signature."""
     args = (q, k, v, indices, mask, scale, causal, causal_offset, zero_empty_rows)
-    signature = _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows)
-    if signature is None:
-        check_inputs(*args)
-    plan = _launches.get(signature, config, _checked_launch, args, config)
+    plan = _launches.get_guarded((scale, causal, zero_empty_rows),
+                                 (q, k, v, indices) if mask is None else (q, k, v, indices, mask), config, _key,
+                                 _checked_launch, args, config)
     Sk = k.shape[2]
     B, Hq, Sq, Dv = plan.B, plan.Hq, plan.Sq, plan.Dv
     if not (v.shape[2] == Sk > 0 and type(causal_offset) is int

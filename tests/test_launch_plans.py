@@ -56,12 +56,26 @@ def test_same_metadata_reuses_the_plan_anything_else_does_not(guard_kind):
 
 
 def test_first_dims_that_may_vary_do_not_make_new_plans(guard_kind):
-    plans = Counting(rows_vary=(1,))
+    plans = Counting(vary={1: ((0,), ())})
     q, pool = torch.randn(4, 8), torch.randn(100, 2, 8)
     first = plans((q, pool))
     assert plans((q, torch.randn(37, 2, 8))) is first and plans.misses == 1
     assert plans((q, torch.randn(37, 3, 8))) is not first, "only the first dim may vary"
     assert plans((torch.randn(5, 8), pool)) is not first, "only at the positions given"
+
+
+def test_a_cache_grown_by_concatenation_keeps_its_plan(guard_kind):
+    """A contiguous cache one key longer each step: its length and the strides that follow from it
+    vary, its rank, dtype and the other dims do not."""
+    plans = Counting(vary={1: ((2,), None)})
+    q = torch.randn(2, 4, 1, 16)
+    first = plans((q, torch.randn(2, 2, 10, 16)))
+    for n in range(11, 16):
+        assert plans((q, torch.randn(2, 2, n, 16))) is first
+    assert plans.misses == 1
+    assert plans((q, torch.randn(2, 3, 12, 16))) is not first, "another head count"
+    assert plans((q, torch.randn(2, 2, 12, 16, dtype=torch.float64))) is not first, "another dtype"
+    assert plans((q, torch.randn(4, 12, 16))) is not first, "another rank"
 
 
 def test_grad_mode_does_not_change_the_plan(guard_kind):

@@ -54,7 +54,7 @@ def cases(mi) -> dict:
     B, H, Hkv, D, S, STEPS = 4, 32, 8, 128, 1024, 16
     q = randn(B, H, 1, D)
     k, v = randn(B, Hkv, S + STEPS, D), randn(B, Hkv, S + STEPS, D)
-    x, w = randn(B, 4096), randn(4096)
+    x, h, w = randn(B, 4096), randn(B, 4096), randn(4096)  # h: the residual stream
     cos, sin = randn(1, 1, 1, D), randn(1, 1, 1, D)
     wq, sq = randn(4096, 4096, dtype=e4m3), torch.rand(32, 32, generator=g)
     E, K, I = 16, 2, 256
@@ -92,8 +92,8 @@ def cases(mi) -> dict:
         "attention (decode, 1024 keys)": decode(lambda s: (lambda kk=ctx(k, S + s), vv=ctx(v, S + s): mi.attention(
             q, kk, vv, None, D ** -0.5, True, S + s - 1, False))),
         "rmsnorm": lambda: mi.rmsnorm(x, w, 1e-6, 0.0, bf16),
-        "add_rmsnorm": lambda: mi.add_rmsnorm(x, x, w, 1e-6, 0.0, bf16),
-        "swiglu": lambda: mi.swiglu(x, x),
+        "add_rmsnorm": lambda: mi.add_rmsnorm(x, h, w, 1e-6, 0.0, bf16),
+        "swiglu": lambda: mi.swiglu(x, h),
         "rope": lambda: mi.rope(q, cos, sin),
         "fp8_linear (M=4)": lambda: mi.fp8_linear(x, wq, sq, None, 128, 128, False),
         "moe_experts (4 tokens, top-2 of 16)": lambda: mi.moe_experts(xm, ids, tw, wg, wu, wd, sg, su, sd,

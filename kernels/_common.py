@@ -294,23 +294,27 @@ except ImportError:  # pragma: no cover - every torch metainfer supports has it
 
 class _MetadataGuard:
     """The Python stand-in for TensorGuards where torch lacks it or refuses the tensors (one
-    tensor given twice): dtype, device, requires_grad, sizes and strides, ~5x slower."""
+    tensor given twice): dtype, device, requires_grad, sizes and strides."""
 
     __slots__ = ("expected", "loose")
 
     def __init__(self, tensors: tuple, sizes: list, strides: list):
-        self.loose = tuple((tuple(n is None for n in sz), tuple(n is None for n in st)) for sz, st in zip(sizes, strides))
+        # per tensor: None when every size and stride is fixed, else (size free, stride free) per dim
+        self.loose = tuple(None if None not in sz and None not in st else
+                           (tuple(n is None for n in sz), tuple(n is None for n in st))
+                           for sz, st in zip(sizes, strides))
         self.expected = tuple(_metadata(t, loose) for t, loose in zip(tensors, self.loose))
 
     def check(self, *tensors) -> bool:
         if len(tensors) != len(self.expected):
             raise TypeError("wrong length")  # as TensorGuards does
-        return all(isinstance(t, torch.Tensor) and t.dim() == len(loose[0]) and _metadata(t, loose) == e
-                   for t, loose, e in zip(tensors, self.loose, self.expected))
+        return all(isinstance(t, torch.Tensor) and (loose is None or t.dim() == len(loose[0]))
+                   and _metadata(t, loose) == e for t, loose, e in zip(tensors, self.loose, self.expected))
 
 
-def _metadata(t: torch.Tensor, loose: tuple) -> tuple:
-    # loose: (size may vary, stride may vary) per dim, as booleans
+def _metadata(t: torch.Tensor, loose: tuple | None) -> tuple:
+    if loose is None:
+        return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
     return (tuple(None if free else n for n, free in zip(t.shape, loose[0])),
             tuple(None if free else n for n, free in zip(t.stride(), loose[1])), t.dtype, t.device, t.requires_grad)
 

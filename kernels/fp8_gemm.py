@@ -64,7 +64,7 @@ import triton.language as tl
 
 from . import _common
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import (fail, cdiv, retries_smaller, LaunchPlans, signature, TUNED_KEYS, as_rows, rows_of, autotuned, check_float, gpu_capability, interpreted, next_pow2,
+from ._common import (fail, cdiv, retries_smaller, GuardedPlans, signature, TUNED_KEYS, as_rows, rows_of, autotuned, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
 NAME = "fp8_gemm"
@@ -352,7 +352,12 @@ class _Launch:
                              num_warps=fixed.get("num_warps", 4), num_stages=fixed.get("num_stages", 3))
 
 
-_launches = LaunchPlans()
+_launches = GuardedPlans()
+
+
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards."""
+    return signature(*args)
 
 
 def default_config(x, *args) -> dict:
@@ -368,7 +373,8 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
     alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
     args = (x, w, scale_inv, bias, block_n, block_k, act_quant)
-    plan = _launches.get(signature(*args), config, _Launch, args, config)
+    plan = _launches.get_guarded((block_n, block_k, act_quant), (x, w, scale_inv) if bias is None else (x, w, scale_inv, bias),
+                                 config, _key, _Launch, args, config)
     M, N = plan.M, plan.N
     out = x.new_empty(plan.out_shape)
     if plan.grid is None:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, contiguous_like, fail, cdiv, rows_of, check, check_float, signature
+from ._common import GuardedPlans, contiguous_like, fail, cdiv, rows_of, check, check_float, signature
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -67,13 +67,18 @@ class _Launch:
         self.meta = dict(ACT=activation, BLOCK_R=br, BLOCK_N=bn, num_warps=config.get("num_warps", 4))
 
 
-_launches = LaunchPlans()
+_launches = GuardedPlans()
+
+
+def _key(gate, up, activation, config) -> tuple:
+    """The plan's key behind the guards."""
+    return signature(gate, up, activation)
 
 
 def launch(gate, up, *, config: dict | None = None, activation: str = "silu") -> torch.Tensor:
     """Checks and decisions once per signature (a decode step's repeat every step); `config`
     None: the device's row."""
-    plan = _launches.get(signature(gate, up, activation), config, _Launch, gate, up, activation, config)
+    plan = _launches.get_guarded((activation,), (gate, up), config, _key, _Launch, gate, up, activation, config)
     y = contiguous_like(gate, plan.dtype, plan.same_layout)
     if plan.grid is not None:
         _glu_fwd[plan.grid](gate, up, y, *plan.scalars, **plan.meta)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, contiguous_like, fail, rows_of, check, check_float, next_pow2, signature
+from ._common import GuardedPlans, contiguous_like, fail, rows_of, check, check_float, next_pow2, signature
 
 NAME = "rmsnorm"
 
@@ -84,15 +84,20 @@ class _Launch:
         self.meta = dict(HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=_warps(block_n, config))
 
 
-_launches = LaunchPlans()
+_launches = GuardedPlans()
+
+
+def _key(x, weight, eps, weight_offset, out_dtype, residual, config) -> tuple:
+    """The plan's key behind the guards."""
+    return signature(x, weight, eps, weight_offset, out_dtype, residual)
 
 
 def launch(x, weight, eps: float, weight_offset: float, out_dtype: torch.dtype, residual=None, *,
            config: dict | None = None):
     """Returns y, or (y, x + residual) when a residual is given. Checks and decisions once per
     signature (a decode step's repeat every step); `config` None: the device's row."""
-    plan = _launches.get(signature(x, weight, eps, weight_offset, out_dtype, residual), config,
-                         _Launch, x, weight, eps, weight_offset, out_dtype, residual, config)
+    plan = _launches.get_guarded((eps, weight_offset, out_dtype), (x, weight) if residual is None else (x, weight, residual),
+                                 config, _key, _Launch, x, weight, eps, weight_offset, out_dtype, residual, config)
     y = contiguous_like(x, out_dtype, plan.same_layout)
     h = x if residual is None else contiguous_like(x, dense=plan.same_layout)
     if residual is None:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
-from ._common import LaunchPlans, contiguous_like, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
+from ._common import GuardedPlans, contiguous_like, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
 
 NAME = "rope"
 
@@ -84,13 +84,18 @@ class _Launch:
         self.meta = dict(BLOCK_R=br, BLOCK_H=max(1, next_pow2(half)), num_warps=config.get("num_warps", 4))
 
 
-_launches = LaunchPlans()
+_launches = GuardedPlans()
+
+
+def _key(x, cos, sin, config) -> tuple:
+    """The plan's key behind the guards."""
+    return signature(x, cos, sin)
 
 
 def launch(x, cos, sin, *, config: dict | None = None) -> torch.Tensor:
     """Checks and decisions once per signature (a decode step's repeat every step); `config`
     None: the device's row."""
-    plan = _launches.get(signature(x, cos, sin), config, _Launch, x, cos, sin, config)
+    plan = _launches.get_guarded((), (x, cos, sin), config, _key, _Launch, x, cos, sin, config)
     y = contiguous_like(x, plan.dtype, plan.same_layout)
     if plan.grid is not None:
         _rope_fwd[plan.grid](x, cos, sin, y, *plan.scalars, **plan.meta)

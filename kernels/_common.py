@@ -128,6 +128,13 @@ def contiguous_like(t: torch.Tensor, dtype: torch.dtype | None = None, dense: bo
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+def softmax_rows(s: torch.Tensor, zero_empty_rows: bool) -> torch.Tensor:
+    """softmax over the last dim of scores; a row with every key masked (-inf) gives NaN, or 0
+    with `zero_empty_rows` (SDPA's convention): the torch paths' and references' shared step."""
+    p = torch.softmax(s, dim=-1)
+    return p.nan_to_num(nan=0.0) if zero_empty_rows else p
+
+
 def strides_as(t: torch.Tensor, shape) -> tuple[int, ...]:
     """`t.expand(shape).stride()` without building the view: t's strides aligned to `shape` from
     the right, 0 on the dims t lacks or broadcasts (the caller has checked `broadcasts_to`)."""

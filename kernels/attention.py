@@ -37,7 +37,7 @@ import triton.language as tl
 from . import _common
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._flash import (SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step)
-from ._common import (FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, GuardedPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
+from ._common import (softmax_rows, FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, GuardedPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
                       check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
 
 NAME = "attention"
@@ -326,9 +326,7 @@ def reference(q, k, v, mask=None, scale=None, causal=False, causal_offset=0, zer
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
     if causal:
         s = s.masked_fill(~_keep_mask(q.shape[2], k.shape[2], causal_offset, q.device, window), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    if zero_empty_rows:
-        p = p.nan_to_num(nan=0.0)
+    p = softmax_rows(s, zero_empty_rows)
     return (p @ vf).to(q.dtype)
 
 
@@ -423,9 +421,7 @@ def _chunked(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows=False,
         if causal:
             keep = _keep_mask(i1 - i0, k1 - k0, causal_offset + i0, q.device, window, key_start=k0)
             s = s.masked_fill(~keep, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        if zero_empty_rows:
-            p = p.nan_to_num(nan=0.0)
+        p = softmax_rows(s, zero_empty_rows)
         og[:, :, :, i0:i1] = (p @ vf[..., k0:k1, :]).to(q.dtype)
     return out
 

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._flash import SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
-from ._common import (contiguous_like, dot_block, GRID_YZ_MAX, GuardedPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
+from ._common import (softmax_rows, contiguous_like, dot_block, GRID_YZ_MAX, GuardedPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
@@ -355,9 +355,7 @@ def reference(q_latent, q_pe, ckv, kpe, indices=None, mask=None, scale=None, cau
         s = s.masked_fill(t > i + causal_offset, float("-inf"))
     if indices is not None:
         s = s.masked_fill(~index_keep_mask(indices, T)[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    if zero_empty_rows:
-        p = p.nan_to_num(nan=0.0)
+    p = softmax_rows(s, zero_empty_rows)
     return (p @ cf).to(q_latent.dtype)
 
 
@@ -416,9 +414,7 @@ def cpu_forward(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: b
                     s = s + mg.float()
         if keep is not None:
             s = s.masked_fill(~keep, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        if zero_empty_rows:
-            p = p.nan_to_num(nan=0.0)
+        p = softmax_rows(s, zero_empty_rows)
         if indices is None:
             o = p @ cf
         else:

@@ -83,6 +83,16 @@ def _scale(S, base_s, n0, k0, bn, bk, stride_sn, stride_sk):
 
 
 @triton.jit
+def _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Tile pid_m's rows of the expert-sorted (token, k) pairs: (row offsets, pair ids with the
+    padding rows' sentinel num_pairs replaced by 0, which rows are pairs)."""
+    offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SORTED + offs_r).to(tl.int64)
+    row_ok = pair < num_pairs
+    return offs_r, tl.where(row_ok, pair, 0), row_ok
+
+
+@triton.jit
 def _moe_gate_up(
     X, W_G, W_U, S_G, S_U, SORTED, EXPERT, Hb,
     num_pairs, top_k, num_experts, hidden, inter, bn, bk,
@@ -102,10 +112,8 @@ def _moe_gate_up(
     e = tl.load(EXPERT + pid_m).to(tl.int64)
     if e >= num_experts:  # a tile past the padded end (the grid is a static upper bound)
         return
-    offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SORTED + offs_r).to(tl.int64)
-    row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
-    token = tl.where(row_ok, pair // top_k, 0)
+    offs_r, pair, row_ok = _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M)
+    token = pair // top_k
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     x_rows = X + token[:, None] * stride_xt
@@ -156,10 +164,7 @@ def _moe_down(
     e = tl.load(EXPERT + pid_m).to(tl.int64)
     if e >= num_experts:
         return
-    offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SORTED + offs_r).to(tl.int64)
-    row_ok = pair < num_pairs
-    pair = tl.where(row_ok, pair, 0)
+    offs_r, pair, row_ok = _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     h_rows = Hb + offs_r[:, None] * stride_hm

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import attention
-from ._common import GuardedPlans, fail, cdiv, retries_smaller, check_float, next_pow2
+from ._common import softmax_rows, GuardedPlans, fail, cdiv, retries_smaller, check_float, next_pow2
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 from ._flash import SplitMerge, dot, dot_flags, normalise, soft_cap, softmax_step
 
@@ -320,7 +320,7 @@ def reference(q, k_pool, v_pool, key_index, cu_q, cu_k, scale: float, window: in
         keep = j <= i + sk - sq
         if window:
             keep &= j > i + sk - sq - window
-        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(nan=0.0)
+        p = softmax_rows(s.masked_fill(~keep, float("-inf")), True)
         out[q0:q1] = (p @ v).transpose(0, 1).to(q.dtype)
     return out
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._flash import dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
 from . import _common
-from ._common import (dot_block, FLOAT_DTYPES, GuardedPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
+from ._common import (softmax_rows, dot_block, FLOAT_DTYPES, GuardedPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       next_pow2, retries_smaller)
 from . import configs  # (a module: configs imports the kernel modules for their default rows)
 
@@ -306,9 +306,7 @@ def reference(q, k, v, indices, mask=None, scale=None, causal=False, causal_offs
     if causal:
         s = s.masked_fill(~_causal_keep(Sq, Sk, causal_offset, q.device), float("-inf"))
     s = s.masked_fill(~index_keep_mask(indices, Sk)[:, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    if zero_empty_rows:
-        p = p.nan_to_num(nan=0.0)
+    p = softmax_rows(s, zero_empty_rows)
     return (p @ vf).to(q.dtype)
 
 
@@ -358,9 +356,7 @@ def cpu_forward(q, k, v, indices, mask, scale: float, causal: bool, causal_offse
             else:
                 s = s + mg.float()
         s = s.masked_fill(~keep5, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        if zero_empty_rows:
-            p = p.nan_to_num(nan=0.0)
+        p = softmax_rows(s, zero_empty_rows)
         og[:, :, :, i0:i1] = torch.einsum("bhgct,bhctv->bhgcv", p, vg).to(q.dtype)
     return out
 

@@ -158,27 +158,36 @@ def _leftovers(before_shm: set, rank_pids: set) -> list[str]:
     shm = set(os.listdir("/dev/shm")) - before_shm if os.path.isdir("/dev/shm") else set()
     if shm:  # what another job on the machine (a test beside this one) holds is not this run's
         ours = {me.pid, *rank_pids, *(p.pid for p in me.children(recursive=True))}
-        shm -= _shm_held_by_others(ours)
+        own_segments = {n for n in shm if any(n.startswith(f"metainfer-{pid}-") for pid in ours)}
+        shm -= _shm_held_by_others(ours) - own_segments
     if shm:
         found.append(f"new files in /dev/shm: {sorted(shm)[:5]}")
     return found
 
 
 def _shm_held_by_others(ours: set[int]) -> set[str]:
-    """Names in /dev/shm that a live process outside `ours` maps or holds open."""
+    """Names in /dev/shm that a live process outside `ours` maps or holds open, that process not
+    an orphan (a helper a killed rank left behind is reparented to init: its files stay ours)."""
     held: set[str] = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) in ours:
             continue
         try:
+            with open(os.path.join(entry.path, "stat")) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == 1:  # parent pid: an orphan
+                    continue
             with open(os.path.join(entry.path, "maps")) as f:
                 held.update(line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
-            for fd in os.scandir(os.path.join(entry.path, "fd")):
-                target = os.readlink(fd.path)
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):].split()[0])
+            fds = list(os.scandir(os.path.join(entry.path, "fd")))
         except OSError:  # gone, or not ours to read
             continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd.path)
+            except OSError:  # closed since
+                continue
+            if target.startswith("/dev/shm/"):
+                held.add(target[len("/dev/shm/"):].split()[0])
     return held
 
 

@@ -340,23 +340,26 @@ class GuardedPlans(LaunchPlans):
     def __init__(self, vary: dict | None = None, recent: int = 8, limit: int = 1024):
         super().__init__(limit)
         self._vary, self._recent_max = vary or {}, recent
-        self._recent: tuple = ()  # (state, config, guard, plan), the last used first; replaced, never mutated
+        # (scalars, tensor count, global state) -> ((config, guard, plan), ...), the last used first;
+        # a launcher with many signatures of the same scalars per step (fp8_gemm's linears) puts a
+        # cheap discriminator (the weight's shape) in its scalars, so no bucket cycles past `recent`
+        self._recent: dict = {}
 
     def get_guarded(self, scalars: tuple, tensors: tuple, config, key_fn, build, *build_args):
-        """The plan for these tensors' metadata and `scalars` (hashable, comparable; must tell
-        apart launches whose tensors are not the same list, e.g. an optional one given or not),
-        else `self.get(key_fn(*build_args), config, build, *build_args)`'s, which is then put in
-        front."""
+        """The plan for these tensors' metadata and `scalars` (hashable; must tell apart launches
+        whose tensors are not the same list, e.g. an optional one given or not), else
+        `self.get(key_fn(*build_args), config, build, *build_args)`'s, which is then put in front."""
         state = (scalars, len(tensors), AOT_CAPABILITY, AUTOTUNE_BENCH, CONFIG_GENERATION if config is None else -1)
-        recent = self._recent
-        for i, entry in enumerate(recent):
-            if entry[0] == state and entry[1] is config and entry[2].check(*tensors):
+        entries = self._recent.get(state, ())
+        for i, entry in enumerate(entries):
+            if entry[0] is config and entry[1].check(*tensors):
                 if i:
-                    self._recent = (entry, *recent[:i], *recent[i + 1:])
-                return entry[3]
+                    self._recent[state] = (entry, *entries[:i], *entries[i + 1:])
+                return entry[2]
         plan = self.get(key_fn(*build_args), config, build, *build_args)
-        entry = (state, config, self._guard(tensors), plan)
-        self._recent = (entry, *recent[:self._recent_max - 1])
+        if len(self._recent) >= self._limit:
+            self._recent.clear()
+        self._recent[state] = ((config, self._guard(tensors), plan), *entries[:self._recent_max - 1])
         return plan
 
     def _guard(self, tensors: tuple):

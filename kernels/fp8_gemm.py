@@ -373,8 +373,10 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
     alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
     args = (x, w, scale_inv, bias, block_n, block_k, act_quant)
-    plan = _launches.get_guarded((block_n, block_k, act_quant), (x, w, scale_inv) if bias is None else (x, w, scale_inv, bias),
-                                 config, _key, _Launch, args, config)
+    # the weight's shape in the scalars: a step's linears of one config each find their own few plans
+    plan = _launches.get_guarded((block_n, block_k, act_quant, w.shape),
+                                 (x, w, scale_inv) if bias is None else (x, w, scale_inv, bias), config, _key, _Launch,
+                                 args, config)
     M, N = plan.M, plan.N
     out = x.new_empty(plan.out_shape)
     if plan.grid is None:

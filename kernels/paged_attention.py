@@ -155,8 +155,11 @@ def check_inputs(q, k_pool, v_pool, key_index, cu_q, cu_k, max_q: int, max_k: in
     for name, t in (("key_index", key_index), ("cu_q", cu_q), ("cu_k", cu_k)):
         if t is None and name == "key_index":
             continue
-        if (isinstance(t, torch.Tensor) and t.dtype not in INDEX_DTYPES and t.dim() == 1):
-            fail(NAME, f"{name} must be a 1-D int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if not (isinstance(t, torch.Tensor) and t.dtype in INDEX_DTYPES and t.dim() == 1
+                and (t.stride(0) == 1 or t.numel() <= 1)):  # the kernel reads them with unit stride
+            what = (f"{t.dtype} of shape {tuple(t.shape)}, strides {t.stride()}" if isinstance(t, torch.Tensor)
+                    else type(t).__name__)
+            fail(NAME, f"{name} must be a contiguous 1-D int32/int64 tensor, got {what}")
         if not t.device == q.device:
             fail(NAME, f"{name} is on {t.device}, q on {q.device}")
     if not (cu_q.shape == cu_k.shape and cu_q.numel() >= 1):

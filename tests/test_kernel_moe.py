@@ -232,6 +232,9 @@ def test_decode_steps_find_their_plan_by_its_guard(monkeypatch):
     same weights: one plan, found after the first step by the guard alone (no signature read)."""
     from metainfer.lowering import aot
 
+    from metainfer.kernels._common import GuardedPlans
+
+    monkeypatch.setattr(K, "_launches", GuardedPlans())  # no plan from another test
     keyed, real_key = [], K._key
     monkeypatch.setattr(K, "_key", lambda *a: keyed.append(1) or real_key(*a))
     p = dict(dtype=torch.bfloat16, T=4, E=16, K=2, H=40, I=24, fp8=True, block_n=16, block_k=32, fused=True,

@@ -194,6 +194,9 @@ def test_keys_gathered_anew_each_step_reuse_the_launch_plan(monkeypatch):
     row count growing: one launch plan serves every step (the rows stay out of its key)."""
     from metainfer.lowering import aot
 
+    from metainfer.kernels._common import GuardedPlans
+
+    monkeypatch.setattr(P, "_launches", GuardedPlans(vary=P._launches._vary))  # no plan from another test
     builds, keyed = [], []
     real, real_key = P._Launch, P._key
     monkeypatch.setattr(P, "_Launch", lambda *a: builds.append(1) or real(*a))
@@ -225,7 +228,10 @@ def test_bad_inputs_are_named():
     q, kp, vp, ki, cu_q, cu_k, mq, mk = batch([(2, 1)], 1, 1, 8, 8, torch.float32)
     with pytest.raises(KernelInputError, match="query heads \\(3\\) must be a multiple of kv heads \\(2\\)"):
         P.check_inputs(torch.zeros(3, 3, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), ki, cu_q, cu_k, 2, 3, 1.0)
-    with pytest.raises(KernelInputError, match="key_index must be a 1-D int32/int64 tensor"):
-        P.check_inputs(q, kp, vp, ki.float(), cu_q, cu_k, mq, mk, 1.0)
+    for bad_index in (ki.float(), ki[None], torch.stack([ki, ki], 1)[:, 0]):  # dtype, 2-D, strided
+        with pytest.raises(KernelInputError, match="key_index must be a contiguous 1-D int32/int64 tensor"):
+            P.check_inputs(q, kp, vp, bad_index, cu_q, cu_k, mq, mk, 1.0)
+    with pytest.raises(KernelInputError, match="cu_q must be a contiguous 1-D int32/int64 tensor"):
+        P.check_inputs(q, kp, vp, ki, cu_q.float(), cu_k, mq, mk, 1.0)
     with pytest.raises(KernelInputError, match="cu_q and cu_k must both have n_requests \\+ 1 entries"):
         P.check_inputs(q, kp, vp, ki, cu_q, cu_k[:1], mq, mk, 1.0)

@@ -84,9 +84,11 @@ def test_grad_mode_does_not_change_the_plan(guard_kind):
     first = plans((x,))
     with torch.no_grad():
         assert plans((x,)) is first
+    assert plans.misses == 1, "grad mode is not in the guard"
     with torch.inference_mode():
-        assert plans((torch.randn(4, 8),)) is first
-    assert plans.builds == 1
+        assert plans((torch.randn(4, 8),)) is first and plans((torch.randn(4, 8),)) is first
+    # inference tensors carry other dispatch keys, which TensorGuards checks: one more guard
+    assert plans.misses == (2 if guard_kind == "TensorGuards" else 1) and plans.builds == 1
 
 
 def test_a_tensor_given_twice_is_guarded_too(guard_kind):
@@ -104,6 +106,18 @@ def test_more_signatures_than_the_recent_ones_are_built_once_each(guard_kind):
     made = [plans((x,)) for x in xs]
     assert [plans((x,)) for x in xs] == made
     assert plans.builds == 10
+
+
+def test_many_signatures_of_the_same_scalars_told_apart_by_a_cheap_scalar(guard_kind):
+    """A step's linears: more weight shapes than `recent`, called in a cycle; with the weight's
+    shape among the scalars each finds its plan by its guard after the first step."""
+    plans = Counting(recent=2)
+    x = torch.randn(4, 64)
+    ws = [torch.randn(n, 64) for n in range(8, 16)]
+    for _ in range(3):
+        for w in ws:
+            plans((x, w), scalars=(tuple(w.shape),))
+    assert plans.misses == len(ws) and plans.builds == len(ws)
 
 
 def test_a_given_config_and_a_target_s_rows_keep_plans_apart(guard_kind, monkeypatch):

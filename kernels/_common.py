@@ -327,8 +327,9 @@ def _metadata(t: torch.Tensor, loose: tuple | None) -> tuple:
 
 
 class GuardedPlans(LaunchPlans):
-    """LaunchPlans with the few plans used last in front, each found by one guard check over the
-    launch's tensors instead of a Python signature hashed per call. Dynamo's TensorGuards checks
+    """LaunchPlans with the few plans used last in front (per bucket of the launch's scalars), each
+    found by one guard check over the launch's tensors instead of a Python signature hashed per
+    call. Dynamo's TensorGuards checks
     dtype, device, dispatch keys, requires_grad, sizes and strides of every tensor in C++
     (~0.12 us a tensor against ~0.45 us to read one tensor's signature in Python).
 

@@ -226,9 +226,9 @@ class _Launch:
 _launches = GuardedPlans(vary={1: ((2,), None), 2: ((2,), None), 3: (None, None)})
 
 
-def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -> tuple | None:
-    """Everything check_inputs and _Launch read but the key count and causal offset; None
-    when the inputs are not 4-D tensors (check_inputs then says what is wrong)."""
+def _key(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config) -> tuple:
+    """The plan's key behind the guards: everything check_inputs and _Launch read but the key
+    count and causal offset (inputs that are not 4-D tensors get check_inputs' error)."""
     try:
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
@@ -236,15 +236,8 @@ def _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window) -
         return (q.shape, q.stride(), q.dtype, q.device, Bk, Hkv, Dk, k.dtype, k.device,
                 Bv, Hv, Dv, v.dtype, v.device, mask_sig, scale, causal, zero_empty_rows, softcap, window)
     except (AttributeError, ValueError, TypeError):
-        return None
-
-
-def _key(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window, config) -> tuple:
-    """The plan's key behind the guards."""
-    signature = _signature(q, k, v, mask, scale, causal, zero_empty_rows, softcap, window)
-    if signature is None:
         check_inputs(q, k, v, mask, scale, causal, causal_offset, zero_empty_rows, softcap, window)
-    return signature
+        raise
 
 
 def default_config(q, k, v, *args) -> dict:

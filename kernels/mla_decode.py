@@ -260,9 +260,10 @@ _launches = {(False, False): GuardedPlans(vary=_CACHES), (True, False): GuardedP
              (True, True): GuardedPlans(vary={**_CACHES, 5: (None, None)})}
 
 
-def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
-    """Everything check_inputs and _Launch read but the cache length and causal offset; None
-    when an input is not a tensor of the right rank (check_inputs then says what is wrong)."""
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards: everything check_inputs and _Launch read but the cache
+    length and causal offset (inputs that are not tensors of the right rank get check_inputs' error)."""
+    q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, _, zero_empty_rows = args
     try:
         Bc, _, Rc = ckv.shape
         Bk, _, Pk = kpe.shape
@@ -272,16 +273,8 @@ def _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empt
                 q_pe.dtype, q_pe.device, Bc, Rc, ckv.dtype, ckv.device, Bk, Pk, kpe.dtype, kpe.device, index_sig,
                 mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
-        return None
-
-
-def _key(args: tuple, config) -> tuple:
-    """The plan's key behind the guards."""
-    q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, _, zero_empty_rows = args
-    signature = _signature(q_latent, q_pe, ckv, kpe, indices, mask, scale, causal, zero_empty_rows)
-    if signature is None:
         check_inputs(*args)
-    return signature
+        raise
 
 
 def default_config(q_latent, *args) -> dict:

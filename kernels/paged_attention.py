@@ -290,8 +290,9 @@ def _key(args: tuple, config) -> tuple:
                 k_pool.device, v_pool.shape[1:], v_pool.stride(), v_pool.dtype, v_pool.device, index_sig,
                 cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype, cu_k.device, max_q, scale,
                 window, softcap)
-    except AttributeError:
-        return check_inputs(*args)  # raises: an input is not a tensor
+    except AttributeError:  # an input is not a tensor: check_inputs says which
+        check_inputs(*args)
+        raise
 
 
 def _checked_launch(args: tuple, config) -> _Launch:

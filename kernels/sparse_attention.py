@@ -214,9 +214,10 @@ class _Launch:
 _launches = GuardedPlans(vary={1: ((2,), None), 2: ((2,), None), 4: (None, None)})
 
 
-def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple | None:
-    """Everything check_inputs and _Launch read but the key count and causal offset; None when
-    an input is not a tensor of the right rank (check_inputs then says what is wrong)."""
+def _key(args: tuple, config) -> tuple:
+    """The plan's key behind the guards: everything check_inputs and _Launch read but the key
+    count and causal offset (inputs that are not tensors of the right rank get check_inputs' error)."""
+    q, k, v, indices, mask, scale, causal, _, zero_empty_rows = args
     try:
         Bk, Hkv, _, Dk = k.shape
         Bv, Hv, _, Dv = v.shape
@@ -225,16 +226,8 @@ def _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows) -> tuple 
                 Bv, Hv, Dv, v.dtype, v.device, indices.shape, indices.stride(), indices.dtype,
                 indices.device, mask_sig, scale, causal, zero_empty_rows)
     except (AttributeError, ValueError, TypeError):
-        return None
-
-
-def _key(args: tuple, config) -> tuple:
-    """The plan's key behind the guards."""
-    q, k, v, indices, mask, scale, causal, _, zero_empty_rows = args
-    signature = _signature(q, k, v, indices, mask, scale, causal, zero_empty_rows)
-    if signature is None:
         check_inputs(*args)
-    return signature
+        raise
 
 
 def default_config(q, k, v, *args) -> dict:

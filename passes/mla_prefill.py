@@ -13,6 +13,7 @@ every other attention.
 
 from __future__ import annotations
 
+from . import attention_forms as forms
 from . import fuse_attention as fa
 from . import base
 from .base import register
@@ -32,7 +33,7 @@ class MLAPrefill(fa.FuseAttention):
     misses = (NearMiss,)
 
     def match(self, node, interp):
-        if not (is_op(node, aten.bmm) or node.target in fa.SDPA_OPS):
+        if not (is_op(node, aten.bmm) or node.target in forms.SDPA_OPS):
             return None
         try:
             m = fa.match_site(node, interp)
@@ -43,7 +44,7 @@ class MLAPrefill(fa.FuseAttention):
         if m is None:
             return None
         unpadded = _drop_v_padding(m)
-        _, _, _, D, _, _, Dv, _, _ = fa.dims(m)
+        _, _, _, D, _, _, Dv, _, _ = m.dims()
         if not unpadded and same(D, Dv):
             return None  # ordinary attention: fuse_attention's
         return m, unpadded, D, Dv
@@ -81,7 +82,7 @@ def _slice_to(u, width) -> bool:
     return last and start in (0, None) and (step in (1, None)) and end is not None and same(shape(u)[-1], width)
 
 
-def _drop_v_padding(m: fa.Match) -> int | None:
+def _drop_v_padding(m: forms.Site) -> int | None:
     """If V is zero-padded and every use of the output slices the padding off, read V unpadded
     and let the slices take the op's output; returns the padded width, else None."""
     found = _zero_pad_last(m.v.node)
@@ -92,14 +93,14 @@ def _drop_v_padding(m: fa.Match) -> int | None:
     slices = [u for r in m.replace for u in r.users]
     if not slices or not all(_slice_to(u, width) for u in slices):
         return None
-    m.v = fa.Operand(v, expand_batch=m.v.expand_batch)
+    m.v = forms.Operand(v, expand_batch=m.v.expand_batch)
     m.replace = slices
     return padded
 
 
 def _looks_mla(node: Node) -> bool:
     """An SDPA whose V is zero-padded or narrower than Q (for near-miss reports only)."""
-    if node.target not in fa.SDPA_OPS or len(node.args) < 3:
+    if node.target not in forms.SDPA_OPS or len(node.args) < 3:
         return False
     q, v = node.args[0], node.args[2]
     if _zero_pad_last(v) is not None:

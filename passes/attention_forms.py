@@ -370,40 +370,17 @@ def _parse_scores(x: Node):
             chain.append(x)
             x = src
         elif is_op(x, aten.add):
-            if x.kwargs.get("alpha", 1) != 1:
-                raise NearMiss("score add with alpha != 1")
-            a, b = x.args[0], x.args[1]
-            ra, rb = _reaches_bmm(a), _reaches_bmm(b)
-            if ra and rb:
-                raise NearMiss("cannot tell the scores from the mask in an add: both come from a q k^T matmul")
-            if not ra and not rb:  # the scores' side reaches the matmul only through an op the op lacks
-                blocker = _off_chain_op(a) or _off_chain_op(b)
-                raise NearMiss(_blocked_by(blocker) if blocker is not None else
-                               "cannot tell the scores from the mask in an add: neither comes from a q k^T matmul")
-            scores, mask = (a, b) if ra else (b, a)
-            if not isinstance(mask, Node) or not same_shape(shape(x), shape(scores) or ()):
-                raise NearMiss("the mask added to the scores changes their shape or is not a tensor")
-            if dtype(mask) not in (torch.float32, torch.bfloat16, torch.float16):
-                raise NearMiss(f"additive mask of dtype {dtype(mask)}")
+            scores, mask = _split_add(x)
             if scaled:
                 raise NearMiss("the scores are scaled after an additive mask is added (the mask would be scaled too)")
             masks.append((mask, "additive"))
             chain.append(x)
             x = scores
         elif is_op(x, aten.where):
-            cond, a, b = x.args
-            if _fill_drops(b) and _reaches_bmm(a):
-                keeps.append((cond, "keep"))
-                x_next = a
-            elif _fill_drops(a) and _reaches_bmm(b):
-                keeps.append((cond, "drop"))
-                x_next = b
-            else:
-                raise NearMiss("where() on the scores does not fill with -inf (or a value that acts as -inf)")
-            if not same_shape(shape(x), shape(x_next) or ()):
-                raise NearMiss("where() on the scores broadcasts them to a larger shape")
+            scores, cond, kind = _split_where(x)
+            keeps.append((cond, kind))
             chain.append(x)
-            x = x_next
+            x = scores
         elif is_op(x, aten.tanh):
             if capped is not None:
                 raise NearMiss(f"two tanh soft-caps on the scores ({x.name}, {capped.name})")
@@ -419,6 +396,40 @@ def _parse_scores(x: Node):
         else:
             raise NearMiss(_blocked_by(x))
 
+
+def _split_add(x: Node) -> tuple[Node, Node]:
+    """(scores, mask) of an add on the scores: the side that comes from the q k^T matmul is
+    the scores; NearMiss where the two cannot be told apart or the mask is not one."""
+    if x.kwargs.get("alpha", 1) != 1:
+        raise NearMiss("score add with alpha != 1")
+    a, b = x.args[0], x.args[1]
+    ra, rb = _reaches_bmm(a), _reaches_bmm(b)
+    if ra and rb:
+        raise NearMiss("cannot tell the scores from the mask in an add: both come from a q k^T matmul")
+    if not ra and not rb:  # the scores' side reaches the matmul only through an op the op lacks
+        blocker = _off_chain_op(a) or _off_chain_op(b)
+        raise NearMiss(_blocked_by(blocker) if blocker is not None else
+                       "cannot tell the scores from the mask in an add: neither comes from a q k^T matmul")
+    scores, mask = (a, b) if ra else (b, a)
+    if not isinstance(mask, Node) or not same_shape(shape(x), shape(scores) or ()):
+        raise NearMiss("the mask added to the scores changes their shape or is not a tensor")
+    if dtype(mask) not in (torch.float32, torch.bfloat16, torch.float16):
+        raise NearMiss(f"additive mask of dtype {dtype(mask)}")
+    return scores, mask
+
+
+def _split_where(x: Node) -> tuple[Node, Node, str]:
+    """(scores, predicate, "keep" | "drop") of where(keep, scores, -inf) or where(drop, -inf, scores)."""
+    cond, a, b = x.args
+    if _fill_drops(b) and _reaches_bmm(a):
+        scores, kind = a, "keep"
+    elif _fill_drops(a) and _reaches_bmm(b):
+        scores, kind = b, "drop"
+    else:
+        raise NearMiss("where() on the scores does not fill with -inf (or a value that acts as -inf)")
+    if not same_shape(shape(x), shape(scores) or ()):
+        raise NearMiss("where() on the scores broadcasts them to a larger shape")
+    return scores, cond, kind
 
 
 def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -> None:

@@ -433,6 +433,8 @@ def _split_where(x: Node) -> tuple[Node, Node, str]:
 
 
 def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -> None:
+    """Nothing outside the site reads its scores or probabilities (size reads aside, which
+    can be read elsewhere)."""
     inside = set(region)
     escaped = escaping_uses(region, inside, exits=(allowed_exit,), size_reads=True)
     if escaped:
@@ -441,7 +443,6 @@ def _check_exclusive(region: list[Node], probs: set[Node], allowed_exit: Node) -
         raise NearMiss(f"the attention {what} ({n.name}) are also used by {u.name}")
     if not size_reads_rehomable(inside - {allowed_exit}):
         raise NearMiss("a size of the scores is read and exists nowhere else in the graph")
-
 
 
 def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
@@ -504,14 +505,7 @@ def _read_sdpa(node: Node) -> Site | None:
     if causal and mask is not None:
         raise NearMiss("both is_causal and a mask")
 
-    outs = [node] if node.target is aten.scaled_dot_product_attention.default else []
-    for u in node.users if not outs else ():  # backend ops: (output, logsumexp, ...) tuples
-        if u.target is not operator.getitem:
-            raise NearMiss(f"output used by {u.name} directly")
-        if u.args[1] == 0:
-            outs.append(u)
-        elif u.users:
-            raise NearMiss(f"auxiliary output {u.args[1]} (e.g. logsumexp) is used")
+    outs = [node] if node.target is aten.scaled_dot_product_attention.default else _first_outputs(node)
     site = Site(form=SDPA_OPS[node.target], anchor=node, q=Operand(q), k=Operand(k), v=Operand(v),
                 scale=float(scale), score_dtype=dtype(q), replace=outs, zero_empty_rows=True, causal=causal)
     if causal:
@@ -519,3 +513,17 @@ def _read_sdpa(node: Node) -> Site | None:
     if mask is not None:
         site.mask_parts.append((mask, "keep" if dtype(mask) == torch.bool else "additive"))
     return site
+
+
+def _first_outputs(node: Node) -> list[Node]:
+    """The getitem(node, 0) users of an SDPA backend op, which returns (output, logsumexp, ...);
+    NearMiss where anything else of it is used."""
+    outs = []
+    for u in node.users:
+        if u.target is not operator.getitem:
+            raise NearMiss(f"output used by {u.name} directly")
+        if u.args[1] == 0:
+            outs.append(u)
+        elif u.users:
+            raise NearMiss(f"auxiliary output {u.args[1]} (e.g. logsumexp) is used")
+    return outs

@@ -100,7 +100,10 @@ def test_a_quick_calibration_of_this_machine():
     # each figure was measured, not how fast
     assert m.matmul_gflops["fp32 large"] > 0 and m.copy_gbs > 0
     assert m.kernel_overhead_us > 0 and m.custom_op_overhead_us["rmsnorm"] > 0
-    assert m.custom_op_overhead_us["moe_experts_per_expert"] > 0  # its CPU path loops over the experts
+    # the per-expert figures are slopes (eight experts' call minus one's, over seven): under load
+    # the difference can come out at or below 0 (clamped; seen in a suite run beside other tests)
+    for name in ("moe_experts", "moe_experts_per_expert"):
+        assert m.custom_op_overhead_us[name] >= 0
     assert 0 <= m.memory_overlap <= 1 and len(m.stream_gbs) == 4
     targets.from_dict(__import__("tomllib").loads(calibrate.to_toml(m, targets.get("cpu"))), "calibrated")
 

@@ -314,12 +314,15 @@ def _dispatch(dev, f):
     w8 = (randn(512, 1024, dtype=torch.float32) / 8).to(torch.float8_e4m3fn)
     s8 = torch.rand(4, 8, device=dev, generator=g) + 0.5
     x8 = randn(T, 1024)
-    E, I = 8, 256
+    # experts of 1024 -> 256 on a GPU; 256 -> 128 in a dry run (the interpreter took ~55 s at full size)
+    E, H, I = 8, _n(1024, f, 256), _n(256, f, 128)
+    xe = randn(T, H)
     ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:2] for _ in range(T)]).to(torch.int32)
     tw = torch.rand(T, 2, device=dev, generator=g)
-    we = (randn(E, I, 1024, dtype=torch.float32) / 8).to(torch.float8_e4m3fn)
-    wd = (randn(E, 1024, I, dtype=torch.float32) / 8).to(torch.float8_e4m3fn)
-    se, sd = torch.rand(E, 2, 8, device=dev, generator=g) + 0.5, torch.rand(E, 8, 2, device=dev, generator=g) + 0.5
+    we = (randn(E, I, H, dtype=torch.float32) / 8).to(torch.float8_e4m3fn)
+    wd = (randn(E, H, I, dtype=torch.float32) / 8).to(torch.float8_e4m3fn)
+    se = torch.rand(E, I // 128, H // 128, device=dev, generator=g) + 0.5
+    sd = torch.rand(E, H // 128, I // 128, device=dev, generator=g) + 0.5
     idx = torch.stack([torch.randperm(S, device=dev, generator=g)[:16] for _ in range(S)])[None].expand(2, S, 16)
     idx = idx.to(torch.int32).contiguous()
     ql, qp, ckv, kpe = randn(2, 16, 1, 512), randn(2, 16, 1, 64), randn(2, S, 512), randn(2, S, 64)
@@ -334,8 +337,8 @@ def _dispatch(dev, f):
         (lambda: mi.rope(q, cos, sin), lambda: K.rope.reference(q, cos, sin)),
         (lambda: mi.fp8_linear(x8, w8, s8, None, 128, 128, False),
          lambda: K.fp8_gemm.reference(x8, w8, s8, None, 128, 128, False)),
-        (lambda: mi.moe_experts(x8, ids, tw, we, we, wd, se, se, sd, 128, 128),
-         lambda: K.moe.reference(x8, ids, tw, we, we, wd, se, se, sd)),
+        (lambda: mi.moe_experts(xe, ids, tw, we, we, wd, se, se, sd, 128, 128),
+         lambda: K.moe.reference(xe, ids, tw, we, we, wd, se, se, sd)),
         (lambda: mi.sparse_attention(q, k, v, idx, None, 0.125, True, 0, False, float("-inf")),
          lambda: K.sparse_attention.reference(q, k, v, idx, None, 0.125, True, 0)),
         (lambda: mi.mla_decode(ql, qp, ckv, kpe, None, None, 0.04, True, S - 1, False),

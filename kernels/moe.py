@@ -83,13 +83,18 @@ def _scale(S, base_s, n0, k0, bn, bk, stride_sn, stride_sk):
 
 
 @triton.jit
-def _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """Tile pid_m's rows of the expert-sorted (token, k) pairs: (row offsets, pair ids with the
-    padding rows' sentinel num_pairs replaced by 0, which rows are pairs)."""
+def _tile(SORTED, EXPERT, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of the expert-sorted (token, k) pairs: (its expert, `num_experts`
+    past the padded end; row offsets; pair ids with the padding rows' sentinel num_pairs
+    replaced by 0; which rows are pairs; first output column; column offsets). SORTED holds a
+    row for every tile of the grid, so reading it before the caller's end check stays in bounds."""
+    pid_m = tl.program_id(0)
+    e = tl.load(EXPERT + pid_m).to(tl.int64)
     offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(SORTED + offs_r).to(tl.int64)
     row_ok = pair < num_pairs
-    return offs_r, tl.where(row_ok, pair, 0), row_ok
+    n0 = tl.program_id(1) * BLOCK_N
+    return e, offs_r, tl.where(row_ok, pair, 0), row_ok, n0, n0 + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -107,15 +112,10 @@ def _moe_gate_up(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """h[rows of tile m, cols of tile n] = silu(x_rows @ w_gate[e].T) * (x_rows @ w_up[e].T)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(EXPERT + pid_m).to(tl.int64)
+    e, offs_r, pair, row_ok, n0, offs_n = _tile(SORTED, EXPERT, num_pairs, BLOCK_M, BLOCK_N)
     if e >= num_experts:  # a tile past the padded end (the grid is a static upper bound)
         return
-    offs_r, pair, row_ok = _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     x_rows = X + token[:, None] * stride_xt
     base_g = e * stride_ge
     base_u = e * stride_ue
@@ -159,14 +159,9 @@ def _moe_down(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """out_pairs[pair, cols of tile n] = topk_weight[pair] * (h[row] @ w_down[e].T), in float32."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(EXPERT + pid_m).to(tl.int64)
+    e, offs_r, pair, row_ok, n0, offs_n = _tile(SORTED, EXPERT, num_pairs, BLOCK_M, BLOCK_N)
     if e >= num_experts:
         return
-    offs_r, pair, row_ok = _tile_pairs(SORTED, pid_m, num_pairs, BLOCK_M)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     h_rows = Hb + offs_r[:, None] * stride_hm
     base_d = e * stride_de
     base_sd = e * stride_sde

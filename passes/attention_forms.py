@@ -12,12 +12,14 @@ Forms read (post-grad ATen):
 - SDPA: `scaled_dot_product_attention` and its backend ops (flash/efficient/cudnn/CPU),
   with an explicit mask or `is_causal`.
 
-A Site holds q, k, v (4-D, or 3-D batch*heads), one positive scale, the soft-cap, the masks
-as written (additive, or a `where` keep/drop predicate) and the nodes the op would replace.
-GQA's `repeat_kv` is read back to the un-repeated K/V by `strip_gqa`. What the op can take
-of the masks, shapes and sizes is proven by the pass (fuse_attention), not here; a site whose
-structure rules the op out (an intermediate used elsewhere, an op on the scores the op
-lacks) is a NearMiss.
+A Site holds q, k, v (4-D, or 3-D batch*heads; a batch or head of 1 broadcast by `matmul`
+read as the un-broadcast tensor), one positive scale, the soft-cap, the masks as written
+(additive, or a `where` keep/drop predicate) and the nodes the op would replace. GQA's
+`repeat_kv` is read back to the un-repeated K/V by `strip_gqa`. What the op can take of the
+masks, shapes and sizes is proven by the pass (fuse_attention), not here; what a Site cannot
+hold is a NearMiss here: an intermediate used elsewhere, an op on the scores the op lacks,
+dropout, a scale that is not a positive number, a mask scaled with the scores, q, k and v
+split into (batch, heads) differently.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Operand:
 
 @dataclass
 class Site:
-    """One attention, canonical: what the op computes and what it replaces. The mask fields
-    below `mask_parts` are the pass's verdict on those parts."""
+    """One attention, canonical: what the op computes and what it replaces. The fields below
+    `mask_parts` are the pass's verdict on those parts (`causal` is also set by SDPA's is_causal)."""
 
     form: str
     anchor: Node  # the op is inserted before this node
@@ -77,7 +79,8 @@ class Site:
     softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap) before the mask (0: none)
     unsqueeze_batch: bool = False  # operands were 3-D (batch*heads, seq, dim)
     zero_empty_rows: bool = False  # SDPA's convention for query rows with no key kept
-    mask_parts: list[tuple[Node, str]] = field(default_factory=list)  # (node, "additive" | "keep" | "drop")
+    # (node, "additive" | "keep" | "drop"): the adds, then the wheres, each in the walk's order
+    mask_parts: list[tuple[Node, str]] = field(default_factory=list)
     causal: bool = False
     causal_offset: int = 0
     window: int = 0  # sliding window on top of the causal mask (0: none)
@@ -471,15 +474,15 @@ def _strip_repeat_kv(n: Node) -> tuple[Node, int] | None:
     return src, rep
 
 
-def strip_gqa(m: Site) -> None:
+def strip_gqa(site: Site) -> None:
     """K and V un-repeated where both are `repeat_kv` of the same factor (the op maps heads)."""
-    if m.unsqueeze_batch or m.k.transpose:
+    if site.unsqueeze_batch or site.k.transpose:
         return
-    rk, rv = _strip_repeat_kv(m.k.node), _strip_repeat_kv(m.v.node)
+    rk, rv = _strip_repeat_kv(site.k.node), _strip_repeat_kv(site.v.node)
     if rk and rv and rk[1] == rv[1]:
-        m.k = Operand(rk[0], expand_batch=m.k.expand_batch)
-        m.v = Operand(rv[0], expand_batch=m.v.expand_batch)
-        m.notes.append(f"GQA, {rk[1]} query heads per kv head (repeat_kv removed)")
+        site.k = Operand(rk[0], expand_batch=site.k.expand_batch)
+        site.v = Operand(rv[0], expand_batch=site.v.expand_batch)
+        site.notes.append(f"GQA, {rk[1]} query heads per kv head (repeat_kv removed)")
 
 
 # ---- SDPA form -------------------------------------------------------------------------
@@ -501,11 +504,10 @@ def _read_sdpa(node: Node) -> Site | None:
         scale = 1.0 / math.sqrt(d)
     if not is_scalar(scale) or not scale > 0:
         raise NearMiss(f"scale {scale!r}")
+    outs = [node] if node.target is aten.scaled_dot_product_attention.default else _first_outputs(node)
     causal = bool(kw.get("is_causal", False))
     if causal and mask is not None:
         raise NearMiss("both is_causal and a mask")
-
-    outs = [node] if node.target is aten.scaled_dot_product_attention.default else _first_outputs(node)
     site = Site(form=SDPA_OPS[node.target], anchor=node, q=Operand(q), k=Operand(k), v=Operand(v),
                 scale=float(scale), score_dtype=dtype(q), replace=outs, zero_empty_rows=True, causal=causal)
     if causal:

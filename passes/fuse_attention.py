@@ -27,7 +27,7 @@ from .matching import (
     sym_size_available,
 )
 
-__all__ = ["FuseAttention", "NearMiss", "SDPA_OPS", "Site", "match_site", "rewrite", "describe"]
+__all__ = ["FuseAttention", "match_site", "rewrite", "describe"]
 
 
 @register
@@ -179,7 +179,6 @@ def _check_sizes_bindable(m: Site) -> None:
         raise NearMiss("a symbolic size the fused op needs is not available outside the attention")
 
 
-
 def _check_fits(m: Site) -> None:
     B, Hq, Sq, D, Hkv, Sk, Dv, ks, vs = m.dims()
     dts = {dtype(m.q.node), dtype(m.k.node), dtype(m.v.node)}
@@ -203,7 +202,6 @@ def _check_fits(m: Site) -> None:
     for name, op, s in (("k", m.k, ks), ("v", m.v, vs)):
         if not maybe_same(s[0], B) and op.expand_batch is None:
             raise NearMiss(f"{name} batch {s[0]} != q batch {B}")
-
 
 
 # ---- rewrite ---------------------------------------------------------------------------

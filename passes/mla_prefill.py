@@ -37,7 +37,7 @@ class MLAPrefill(fa.FuseAttention):
             return None
         try:
             m = fa.match_site(node, interp)
-        except fa.NearMiss as e:
+        except forms.NearMiss as e:
             if _looks_mla(node):
                 raise NearMiss(str(e)) from None
             return None  # not MLA: fuse_attention reports it

@@ -165,20 +165,6 @@ def _usable_offset(off, m: Site) -> bool:
     return sym_size_available(m.anchor.graph, m.anchor, off, m.region)
 
 
-def _check_sizes_bindable(m: Site) -> None:
-    """Every symbolic size the rewrite will put in the graph can be read outside the region
-    it removes (checked before the graph is touched)."""
-    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = m.dims()
-    needed = [m.causal_offset]
-    if m.replace_3d:
-        needed.append([B * Hq, Sq, Dv])
-    for op in (m.q, m.k, m.v):
-        if op.expand_batch is not None:
-            needed.append(op.expand_batch)
-    if not sizes_available(m.anchor.graph, m.anchor, needed, m.region):
-        raise NearMiss("a symbolic size the fused op needs is not available outside the attention")
-
-
 def _check_fits(m: Site) -> None:
     B, Hq, Sq, D, Hkv, Sk, Dv, ks, vs = m.dims()
     dts = {dtype(m.q.node), dtype(m.k.node), dtype(m.v.node)}
@@ -202,6 +188,20 @@ def _check_fits(m: Site) -> None:
     for name, op, s in (("k", m.k, ks), ("v", m.v, vs)):
         if not maybe_same(s[0], B) and op.expand_batch is None:
             raise NearMiss(f"{name} batch {s[0]} != q batch {B}")
+
+
+def _check_sizes_bindable(m: Site) -> None:
+    """Every symbolic size the rewrite will put in the graph can be read outside the region
+    it removes (checked before the graph is touched)."""
+    B, Hq, Sq, D, Hkv, Sk, Dv, _, _ = m.dims()
+    needed = [m.causal_offset]
+    if m.replace_3d:
+        needed.append([B * Hq, Sq, Dv])
+    for op in (m.q, m.k, m.v):
+        if op.expand_batch is not None:
+            needed.append(op.expand_batch)
+    if not sizes_available(m.anchor.graph, m.anchor, needed, m.region):
+        raise NearMiss("a symbolic size the fused op needs is not available outside the attention")
 
 
 # ---- rewrite ---------------------------------------------------------------------------

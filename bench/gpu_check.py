@@ -23,10 +23,10 @@ running functional collectives on its tensors (eager and compiled), and a tiny H
 Llama optimized for the GPU whose generate() (growing cache; static cache, its decode replayed
 from CUDA graphs, the replays counted; prompt-lookup speculation) and generate_batch() tokens
 must equal eager's. The kernels use the config rows of the GPU's own architecture (sm_90 on
-Hopper). Each check stops after --timeout seconds; --json FILE writes the rows. The first call
-of a shape runs triton.autotune over the config row's candidates, untimed (`run` calls each
-kernel once before timing it). Then GEMM TFLOP/s, memory bandwidth and launch overhead
-(bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
+Hopper). On a GPU each check stops after --timeout seconds; --json FILE writes the rows. The
+first call of a shape runs triton.autotune over the config row's candidates, untimed (`run`
+calls each kernel once before timing it). Then GEMM TFLOP/s, memory bandwidth and launch
+overhead (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
 project's pins. Budget: under 8 minutes on an H100-class GPU, an estimate from counting, not a
 run: ~72 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end check's Inductor
 compiles (~1-2 min), ~40 do_bench timings of ~0.1-0.3 s, calibration ~30 s.
@@ -629,7 +629,9 @@ def main(argv=None) -> int:
                     "through Triton's interpreter")
     ap.add_argument("--only", nargs="+", help="kernels to check (default all)")
     ap.add_argument("--no-calibration", action="store_true", help="skip the cost-model constants")
-    ap.add_argument("--timeout", type=int, default=120, help="seconds one check may take (0: no limit)")
+    ap.add_argument("--timeout", type=int, help="seconds one check may take (0: no limit; default 120 on a GPU, "
+                    "where a hung kernel must not spend the device's budget; none in a dry run, whose "
+                    "time is the machine's load and whose caller bounds the whole run)")
     ap.add_argument("--json", metavar="FILE", help="write the rows here as JSON")
     a = ap.parse_args(argv)
     checks = [c for c in CHECKS if not a.only or c.kernel in a.only]
@@ -645,7 +647,8 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
               f"torch {torch.__version__}, triton {__import__('triton').__version__}")
     t0 = time.perf_counter()
-    rows = run(checks, device, size, a.timeout)
+    timeout = a.timeout if a.timeout is not None else (0 if a.dry_run else 120)
+    rows = run(checks, device, size, timeout)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} checks, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")
     if a.json:

@@ -13,11 +13,13 @@ metainfer.kernels.fp8_gemm). W8A8 is opt-in: pass_options={"fp8_mode": "w8a8"}, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
 
-
-from .base import Pass, PassContext, PassResult, register
-from .fp8_dequant import NotDequant, find_dequant
+from .base import MatchPass, PassContext, register
+from .fp8_dequant import Dequant, NotDequant, find_dequant
 from .matching import (
     FLOAT_DTYPES, Node, aten, dtype, insert_call, is_op, linear_operands, location, shape, untransposed,
 )
@@ -34,48 +36,58 @@ def fp8_mode(ctx: PassContext) -> str:
     return mode
 
 
+@dataclass
+class _Site:
+    x: Node
+    wt: Node  # the transposed dequantised weight the GEMM reads
+    bias: Node | None
+    dq: Dequant
+    mode: str
+
+
 @register
-class FP8GEMM(Pass):
+class FP8GEMM(MatchPass):
     """dequant(FP8 weight, block scales) + linear -> metainfer::fp8_linear (no bf16 weight copy)"""
 
     name = "fp8_gemm"
+    missed = "FP8 GEMM not replaced"
+    misses = (NotDequant,)
 
-    def run(self, graph, ctx: PassContext) -> PassResult:
-        res = PassResult(modified=False)
-        mode = fp8_mode(ctx)
-        for node in list(graph.nodes):
-            if not is_op(node, aten.mm, aten.addmm, aten.bmm):
-                continue
-            site = _linear_operands(node)
-            if site is None:
-                continue
-            x, wt, bias = site
-            try:
-                dq = find_dequant(wt.args[0])
-                if dq is None:
-                    continue
-                _check(x, bias, dq)
-            except NotDequant as e:
-                res.near_misses.append(f"{location(node)}: FP8 GEMM not replaced: {e}")
-                continue
-            vector_bias = bias is not None and len(shape(bias)) == 1
-            new = insert_call(graph, node, torch.ops.metainfer.fp8_linear.default,
-                              (x, dq.weight, dq.scale, bias if vector_bias else None, dq.block_n, dq.block_k,
-                               mode == "w8a8"))
-            if bias is not None and not vector_bias:  # addmm(residual, x, W^T): add it back
-                new = insert_call(graph, node, aten.add.Tensor, (new, bias))
-            node.replace_all_uses_with(new)
-            res.matches += 1
-            N, K = shape(dq.weight)
-            shared = [u.name for u in dq.out.users if u is not wt]
-            extra = f"; the dequantised weight is still computed for {', '.join(shared)}" if shared else ""
-            res.decisions.append(
-                f"{location(node)}: dequant + linear -> metainfer.fp8_linear {mode.upper()} "
-                f"([{N}, {K}] e4m3, {dq.block_n}x{dq.block_k} block scales, x {str(dtype(x)).replace('torch.', '')}; "
-                f"reads {N * K} FP8 weight bytes instead of writing and reading a "
-                f"{N * K * dtype(dq.out).itemsize}-byte dequantised copy){extra}")
-        res.modified = res.matches > 0
-        return res
+    def start(self, graph, ctx: PassContext):
+        return SimpleNamespace(graph=graph, mode=fp8_mode(ctx))
+
+    def match(self, node, state) -> _Site | None:
+        if not is_op(node, aten.mm, aten.addmm, aten.bmm):
+            return None
+        found = _linear_operands(node)
+        if found is None:
+            return None
+        x, wt, bias = found
+        dq = find_dequant(wt.args[0])
+        if dq is None:
+            return None
+        _check(x, bias, dq)
+        return _Site(x, wt, bias, dq, state.mode)
+
+    def rewrite(self, node, site: _Site, state) -> None:
+        x, bias, dq = site.x, site.bias, site.dq
+        vector_bias = bias is not None and len(shape(bias)) == 1
+        new = insert_call(state.graph, node, torch.ops.metainfer.fp8_linear.default,
+                          (x, dq.weight, dq.scale, bias if vector_bias else None, dq.block_n, dq.block_k,
+                           site.mode == "w8a8"))
+        if bias is not None and not vector_bias:  # addmm(residual, x, W^T): add it back
+            new = insert_call(state.graph, node, aten.add.Tensor, (new, bias))
+        node.replace_all_uses_with(new)
+
+    def describe(self, node, site: _Site) -> str:
+        dq = site.dq
+        N, K = shape(dq.weight)
+        shared = [u.name for u in dq.out.users if u is not site.wt]
+        extra = f"; the dequantised weight is still computed for {', '.join(shared)}" if shared else ""
+        return (f"{location(node)}: dequant + linear -> metainfer.fp8_linear {site.mode.upper()} "
+                f"([{N}, {K}] e4m3, {dq.block_n}x{dq.block_k} block scales, x "
+                f"{str(dtype(site.x)).replace('torch.', '')}; reads {N * K} FP8 weight bytes instead of writing "
+                f"and reading a {N * K * dtype(dq.out).itemsize}-byte dequantised copy){extra}")
 
 
 def _linear_operands(node: Node):

@@ -26,10 +26,10 @@ must equal eager's. The kernels use the config rows of the GPU's own architectur
 Hopper). On a GPU each check stops after --timeout seconds; --json FILE writes the rows. The
 first call of a shape runs triton.autotune over the config row's candidates, untimed (`run`
 calls each kernel once before timing it). Then GEMM TFLOP/s, memory bandwidth and launch
-overhead (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well as this
-project's pins. Budget: under 8 minutes on an H100-class GPU, an estimate from counting, not a
-run: ~72 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end check's Inductor
-compiles (~1-2 min), ~40 do_bench timings of ~0.1-0.3 s, calibration ~30 s.
+overhead (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well
+as this project's pins. Budget: under 8 minutes on an H100-class GPU, an estimate from
+counting, not a run: ~72 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end
+check's Inductor compiles (~1-2 min), ~40 do_bench timings of ~0.1-0.3 s, calibration ~30 s.
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ static size_t elem_size(int dtype) {
     return 0;
 }
 
-enum { K_ALL_REDUCE = 1, K_ALL_GATHER = 2, K_REDUCE_SCATTER = 3 };
+enum { K_ALL_REDUCE = 1, K_ALL_GATHER = 2, K_REDUCE_SCATTER = 3, K_BROADCAST = 4 };
 
 /* all-reduce pieces up to this size: every rank sums every slot (one barrier); larger: a chunk
  * per rank, then the chunks gathered (two barriers, each rank reading 2/world of the data) */
@@ -381,6 +381,23 @@ int mi_reduce_scatter(mi_comm *c, const char *in, char *out, uint64_t out_bytes,
         if ((rc = meet(c, off == 0))) return rc;
         slot_sources(c, parity, (uint64_t)c->rank * len, in + (uint64_t)c->rank * out_bytes + off, src);
         sum_sources(src, c->world, out + off, NULL, len / es, dtype);
+    }
+    return MI_OK;
+}
+
+/* buf (nbytes) = root's buf on every rank: the root copies each piece into its slot, every rank
+ * meets, the others read that slot (the serving engine's per-step messages from its driver) */
+int mi_broadcast(mi_comm *c, char *buf, uint64_t nbytes, int root) {
+    if (root < 0 || root >= c->world) return MI_BAD;
+    int rc;
+    post(c, K_BROADCAST * 8 + ((uint64_t)(root + 1) << 32), nbytes); /* the root in the high word */
+    if (nbytes == 0) return meet(c, 1);
+    for (uint64_t off = 0; off < nbytes; off += c->slot_bytes) {
+        uint64_t len = nbytes - off < c->slot_bytes ? nbytes - off : c->slot_bytes;
+        uint64_t parity = c->pieces++ % 2;
+        if (c->rank == root) memcpy(slot(c, parity, root), buf + off, len);
+        if ((rc = meet(c, off == 0))) return rc;
+        if (c->rank != root) memcpy(buf + off, slot(c, parity, root), len);
     }
     return MI_OK;
 }

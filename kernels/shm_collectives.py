@@ -110,7 +110,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                             ("mi_close", None, (p,)), ("mi_missing", i, (p,)), ("mi_pid", ctypes.c_int64, (p, i)),
                             ("mi_abort", None, (p,)), ("mi_posted", u64, (p, i, i)), ("mi_barrier", i, (p,)),
                             ("mi_all_reduce", i, (p, p, p, u64, i)), ("mi_all_gather", i, (p, p, p, u64)),
-                            ("mi_reduce_scatter", i, (p, p, p, u64, i))):
+                            ("mi_reduce_scatter", i, (p, p, p, u64, i)), ("mi_broadcast", i, (p, p, u64, i))):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, list(args)
 
@@ -301,18 +301,34 @@ class Communicator:
             self._done(rc, "reduce_scatter")
         return out
 
+    def broadcast_bytes(self, data: bytes | None, nbytes: int, root: int = 0) -> bytes:
+        """`root`'s `data` (exactly `nbytes`; None on the other members) on every member of the
+        group; `root` and `nbytes` are the same on every member."""
+        buf = ctypes.create_string_buffer(max(1, nbytes))
+        if self.rank == root:
+            if data is None or len(data) != nbytes:
+                raise ValueError(f"shm broadcast: the root has {None if data is None else len(data)} bytes, "
+                                 f"not the {nbytes} every member was told")
+            ctypes.memmove(buf, data, nbytes)
+        with self._lock:
+            self._ready("broadcast")
+            self._done(self._lib.mi_broadcast(self._comm, buf, nbytes, root), "broadcast")
+        return buf.raw[:nbytes]
+
     def barrier(self) -> None:
         with self._lock:
             self._ready("barrier")
             self._done(self._lib.mi_barrier(self._comm), "barrier")
 
 
-_KINDS = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter"}
+_KINDS = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter", 4: "broadcast"}
 
 
 def _describe(kind: int, nbytes: int) -> str:
     dtype = {v: k for k, v in _DTYPES.items()}.get(kind % 8)
-    what = _KINDS.get(kind // 8, f"kind {kind // 8}")
+    what = _KINDS.get((kind >> 3) & 0xFFFFFFFF, f"kind {(kind >> 3) & 0xFFFFFFFF}")
+    if what == "broadcast":  # its root in the high word (root + 1)
+        return f"broadcast of {nbytes} bytes from member {(kind >> 32) - 1}"
     return f"{what} of {nbytes} bytes" + (f" {str(dtype).replace('torch.', '')}" if what != "all_gather" else "")
 
 

@@ -81,6 +81,23 @@ def emulated(target: _targets.Target, world: int, device_kind: str = "cpu") -> _
                                            + (" with gloo" if device_kind == "cpu" else ""))
 
 
+def host_ranks(target: _targets.Target, world: int) -> _targets.Target:
+    """A one-device CPU target (a host) run as `world` ranks of that host: each rank has a
+    1/world share of its FLOP/s, memory bandwidth and memory (the ranks split its cores, one
+    island), and they talk over the links the target declares for processes of the host (gloo's
+    loopback; metainfer's shared-memory path where a calibration measured it)."""
+    t = _targets.required(target, "distributed.host_ranks")
+    if t.device.kind != "cpu" or t.num_devices != 1:
+        raise ValueError(f"host_ranks splits a one-device CPU target, not {t.name!r} ({t.num_devices} x {t.device.kind})")
+    d = t.device
+    dev = dataclasses.replace(d, peak_flops={k: v / world for k, v in d.peak_flops.items()},
+                              memory_bytes=d.memory_bytes / world, memory_bandwidth=d.memory_bandwidth / world,
+                              cache_bytes=d.cache_bytes / world, cache_bandwidth=d.cache_bandwidth / world)
+    topo = dataclasses.replace(t.topology, islands=(tuple(range(world)),), inter_island=None)
+    return dataclasses.replace(t, name=f"{t.name}@{world}", num_devices=world, device=dev, topology=topo,
+                               description=f"{t.description}, as {world} ranks of one host (each 1/{world} of it)")
+
+
 _TP_MESHES: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -108,6 +125,8 @@ def prepare(model: torch.nn.Module, target: _targets.Target, *, emulate: bool, e
         if tensor_parallel not in (None, 1):
             raise ValueError(f"tensor_parallel={tensor_parallel} needs a job of that many ranks (torchrun)")
         return t, []
+    if t.device.kind == "cpu" and t.num_devices == 1 and not emulate:
+        t = host_ranks(t, w)
     if w > t.num_devices:
         raise ValueError(f"the job has {w} ranks but target {t.name!r} has {t.num_devices} devices")
     if emulate:

@@ -129,6 +129,23 @@ def _replicated_kv(model, plan: dict[str, str], degree: int) -> dict[str, str]:
     return entries
 
 
+def local_kv_heads(model: torch.nn.Module) -> int | None:
+    """The key-value heads this rank's K projections compute (after sharding: its share, or
+    the one head it keeps whole where they are replicated); None where the model has no K
+    projection of whole heads (MLA's latents, a fused qkv)."""
+    from torch.distributed.tensor import DTensor
+
+    heads = _heads(model)
+    if heads is None or not heads[2]:
+        return None
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] in ("k_proj", "wk") and isinstance(w, torch.Tensor):
+            rows = (w.to_local() if isinstance(w, DTensor) else w).shape[0]
+            return rows // heads[2] if rows % heads[2] == 0 else None
+    return None
+
+
 def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
     """The plan, after checking it can be applied at `degree` (before any collective)."""
     plan = tp_plan(model)

@@ -101,10 +101,10 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
         super().__init__(LogitsProcessorList())
         self.defaults = {"temperature": float(temperature), "top_k": int(top_k or 0), "top_p": float(top_p)}
         self.tensors_required = 3  # rows of the engine's argument storage: temperature, top_k, top_p
-        self.supported_keys = dict(_KEYS)
+        self.supported_keys = {**_KEYS, "seed": int}
         self.ignored_keys = set()
         self.do_processing = True
-        self.generator = None  # torch's default generator (a request's seed seeds it)
+        self.generator = None  # torch's default generator (a request's "seed" seeds it)
 
     @classmethod
     def replacing(cls, generation_config, processors) -> "Sampler | None":
@@ -133,6 +133,15 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
 
     def prepare_tensor_args(self, requests_in_batch, arg_storage: torch.Tensor) -> torch.Tensor:
         rows = [r.state.logit_processor_kwargs for r in requests_in_batch if r.has_new_token]
+        # a request's seed seeds the generator before its first draw (the batch shares it: best
+        # effort, as in OpenAI's API); taken here, on the engine's thread, so the ranks of a
+        # tensor-parallel group, each running this step, seed theirs at the same draw
+        seeds = [kw.pop("seed") for kw in rows if "seed" in kw]
+        if seeds:
+            if self.generator is not None:
+                self.generator.manual_seed(seeds[-1])
+            else:
+                torch.manual_seed(seeds[-1])  # every device's default generator
         if rows:
             values = {key: [kw.get(key, self.defaults[key]) for kw in rows] for key in _KEYS}
             arg_storage[:3, :len(rows)] = self._encode(values["temperature"], values["top_k"],

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from metainfer.runtime import exchange as step_exchange
 from metainfer.runtime import inputs
 
 ATTENTION_NAME = "metainfer_paged_flash"  # the engine admits custom attention names containing "flash"
@@ -254,13 +255,16 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
       it can ever hold at once (every request whole).
     `available` (bytes, source) stands in for the machine's reading (tests)."""
     from metainfer.hardware import planner, shapes
+    from metainfer.parallel import distributed
 
     model, target = opt.model, opt.target
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     shape = dataclasses.replace(shapes.from_hf(cfg), act_bytes=next(model.parameters()).element_size())
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = shape.kv_bytes_per_token()
-    act_per_token = planner._activation_per_token(shape, planner.Plan(tp=1, dp=1, pp=1, ep=1))
+    weights = sum(_local(p).numel() * p.element_size() for p in model.parameters())  # this rank's shard
+    mesh = distributed.tp_mesh(model)
+    plan = planner.Plan(tp=mesh.size() if mesh is not None else 1, dp=1, pp=1, ep=1)
+    kv_per_token = planner.kv_per_token(shape, plan)  # this rank's heads (the MLA latent whole)
+    act_per_token = planner._activation_per_token(shape, plan)
     # logits rows of one step (float32): the engine plans for its 1024 requests a step when the
     # workload is not known
     rows = len(request_tokens) if request_tokens else 1024
@@ -268,11 +272,15 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     # each cached token also costs what a step reads back of it at the attention peak (one layer's
     # keys and values gathered; an MLA layer's latents decompressed to heads): the engine refuses a
     # pool whose footprint with these passes what it sees available
-    read_per_token = _read_bytes_per_token(shape)
+    read_per_token = _read_bytes_per_token(shape, plan.tp)
     block_bytes = (kv_per_token + read_per_token) * page_size
     device = next(model.parameters()).device
     free, source = available if available is not None else available_memory(device)
     share = HOST_MEMORY_SHARE if device.type == "cpu" else planner.MEMORY_UTILIZATION
+    local = local_ranks() if device.type == "cpu" else 1
+    if local > 1:  # the host's memory is every rank's on it
+        share /= local
+        source += f", shared by {local} ranks of this host"
     bounds = {
         "target": (target.device.memory_bytes * planner.MEMORY_UTILIZATION - weights - activations,
                    f"target {target.name}'s memory ({target.device.memory_bytes / 2**30:.0f} GiB x "
@@ -307,16 +315,35 @@ def blocks_to_hold(request_tokens: list[int], page_size: int) -> int:
     return sum(math.ceil(n / page_size) for n in request_tokens) + 1
 
 
-def _read_bytes_per_token(shape) -> float:
+def _read_bytes_per_token(shape, tp: int = 1) -> float:
     """Bytes a step reads back for each cached token at the attention peak, as transformers'
     engine counts it for flash-style attention (cache.py, PagedAttentionMemoryHandler.
     kv_numel_at_peak): one layer's keys and values, or an MLA layer's two latents and the keys and
-    values they decompress into (values padded to the key head dim where they differ)."""
+    values they decompress into (values padded to the key head dim where they differ); on a rank
+    of a tensor-parallel group of `tp`, its heads."""
     if not shape.mla:
-        return shape.kv_bytes_per_token() / shape.layers
+        return shape.kv_bytes_per_token() / shape.layers / min(tp, shape.kv_heads)
     qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
     expanded = shape.qk_nope_head_dim + shape.v_head_dim + qk + (qk if shape.v_head_dim != qk else 0)
-    return (shape.kv_lora_rank + shape.qk_rope_head_dim + shape.heads * expanded) * shape.act_bytes
+    return (shape.kv_lora_rank + shape.qk_rope_head_dim + shape.heads / tp * expanded) * shape.act_bytes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_ranks() -> int:
+    """Ranks of this job on this host (torchrun's LOCAL_WORLD_SIZE; without it, every rank of a
+    started job counts as local, as gloo ranks on one machine are)."""
+    import os
+
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -425,8 +452,32 @@ def forwards(opt, paged: bool, total: int | None = None):
         yield step
 
 
+@contextlib.contextmanager
+def _engine(opt, generation_config, cfg, hints, warmup: bool, exchange: str):
+    """transformers' continuous_batching_context_manager, with the engine prepared for this
+    rank's shard and its per-step exchange installed before the batch processor is made."""
+    manager = opt.model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cfg,
+                                                 workload_hints=hints)
+    _engine_kv_heads(opt, manager.distributed_helper)
+    installed = step_exchange.install(manager, exchange)
+    if installed is not None:
+        _note(opt, _exchange_note(installed))
+    try:
+        if warmup and not manager.warmed_up:
+            manager.warmup()
+        manager.start()
+        try:
+            yield manager
+        finally:
+            manager.stop(block=True, timeout=60)
+    finally:
+        manager.destroy()
+        if installed is not None:
+            installed.close()
+
+
 def generate_batch(opt, prompts, generation_config=None, continuous_batching_config=None, record_timestamps=False,
-                   progress_bar=False, warmup=True, **kwargs) -> dict:
+                   progress_bar=False, warmup=True, exchange: str = "auto", **kwargs) -> dict:
     """OptimizedModel.generate_batch: results in input order, keyed by request id; a request
     that cannot be served is FAILED with the reason and the others are served."""
     from tqdm.auto import tqdm
@@ -453,9 +504,8 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
                               num_requests=len(good))
         # query tokens the batch computes: every prompt, and every new token but the last fed back
         total = sum(len(prompts[i]) for i in good) + len(good) * max(0, max_new - 1)
-        with attention(opt) as paged, forwards(opt, paged, total) as steps, model.continuous_batching_context_manager(
-                generation_config=generation_config, continuous_batching_config=cfg, block=True, timeout=60,
-                warmup=warmup, workload_hints=hints) as manager:
+        with attention(opt) as paged, forwards(opt, paged, total) as steps, _engine(
+                opt, generation_config, cfg, hints, warmup, exchange) as manager:
             ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new,
                                        record_timestamps=record_timestamps)
             owner = {rid: i for rid, i in zip(ids, good)}
@@ -500,7 +550,8 @@ class Manager:
     with a result whose error is "cancelled" (its blocks freed by the engine); the report gets
     the capacity, compile and run notes generate_batch writes."""
 
-    def __init__(self, opt, generation_config=None, continuous_batching_config=None, workload_hints=None):
+    def __init__(self, opt, generation_config=None, continuous_batching_config=None, workload_hints=None,
+                 exchange: str = "auto"):
         self._opt = opt
         hints = workload_hints
         tokens = ([hints.max_prompt_length + hints.max_generated_length] * hints.num_requests
@@ -514,9 +565,13 @@ class Manager:
         try:
             self._manager = opt.model.init_continuous_batching(generation_config=generation_config,
                                                               continuous_batching_config=cfg, workload_hints=hints)
+            _engine_kv_heads(opt, self._manager.distributed_helper)
+            self.exchange = step_exchange.install(self._manager, exchange)
         except BaseException:
             self._attention.__exit__(None, None, None)
             raise
+        if self.exchange is not None:
+            _note(opt, _exchange_note(self.exchange))
         self._sample_in_metainfer(cfg)
         self._deliver_cancellations()
 
@@ -537,6 +592,8 @@ class Manager:
             steps = getattr(self, "steps", None)
             self._close()
             self._attention.__exit__(None, None, None)
+            if self.exchange is not None and not self._manager.is_running():
+                self.exchange.close()
             if steps is not None and steps.steps:
                 _note(self._opt, f"serving run: {steps.steps} steps, {steps.tokens} query tokens computed for "
                                  f"{self._admitted} prompt tokens admitted (streaming)")
@@ -635,6 +692,38 @@ class Manager:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _exchange_note(exchange) -> str:
+    how = ("a shared-memory segment of this host (metainfer.runtime.exchange)" if exchange.transport == "shm" else
+           "the engine's gloo group")
+    return f"serving: the engine's per-step exchange between ranks (statuses, new requests) goes through {how}"
+
+
+def _engine_kv_heads(opt, helper) -> None:
+    """Make the engine's KV pool hold the heads this rank computes. transformers' cache splits
+    the config's K/V heads by the group's size where the plan it reads names k_proj and v_proj,
+    else keeps them all; metainfer's sharding replicates whole heads where the degree exceeds
+    them (each rank one head). The helper's copy of the plan is set to say which."""
+    from metainfer.parallel import sharding
+
+    if helper.tp_size <= 1:
+        return
+    mine = sharding.local_kv_heads(opt.model)
+    if mine is None:
+        return
+    cfg = opt.model.config.get_text_config() if hasattr(opt.model.config, "get_text_config") else opt.model.config
+    total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv = {f"layers.*.self_attn.{n}": "colwise" for n in ("k_proj", "v_proj")}
+    others = {k: v for k, v in helper.tp_plan.items() if not k.endswith(tuple(kv))}
+    if mine == total:
+        helper.tp_plan = others
+    elif mine * helper.tp_size == total:
+        helper.tp_plan = {**others, **kv}
+    else:
+        raise ValueError(f"this rank holds {mine} of {total} key-value heads over {helper.tp_size} ranks; the "
+                         "engine's KV pool holds either every head or an even share of them per rank (a degree "
+                         f"that divides {total}, or a model with one key-value head)")
 
 
 def _note(opt, note: str) -> None:

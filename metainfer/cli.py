@@ -247,9 +247,20 @@ def cmd_bench_serving(a) -> int:
     return _report(a, workload, f"engine config {cfg or sizing}", servebench.table(rows), rows)
 
 
+def _serve_world(a) -> int:
+    """How many ranks `serve` runs: --ranks, or --tp, or the job torchrun started (WORLD_SIZE)."""
+    job = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    asked = {k: v for k, v in (("--ranks", a.ranks), ("--tp", a.tp), ("WORLD_SIZE", job)) if v is not None}
+    if len(set(asked.values())) > 1:
+        raise UsageError("the server runs one engine over every rank (tensor parallel; data-parallel replicas behind "
+                         f"one endpoint are not built): {', '.join(f'{k} {v}' for k, v in asked.items())} must agree")
+    return next(iter(asked.values()), 1)
+
+
 def cmd_serve(a) -> int:
     target = _target(a.target)
     device = _device_for(target)
+    world = _serve_world(a)
     import importlib.util
 
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
@@ -265,22 +276,33 @@ def cmd_serve(a) -> int:
     from metainfer.server.protocol import ModelInfo
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        model, tokenizer, name = servebench.load_model(a.model, dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"--model {a.model}: {e}") from None
-    model = model.to(device)
-    opt = metainfer.optimize(model, target, lowering=a.lowering, serve_compile="always")
     from transformers import ContinuousBatchingConfig
 
     cfg = ContinuousBatchingConfig(**{k: v for k, v in (("num_blocks", a.num_blocks),
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
-    info = ModelInfo(name=a.served_model_name or name, vocab_size=model.config.vocab_size,
+    run_options = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
+                       max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout,
+                       grace=a.grace)
+
+    def load(on: str):
+        try:
+            model, tokenizer, name = servebench.load_model(a.model, dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--model {a.model}: {e}") from None
+        return model.to(on), tokenizer, a.served_model_name or name
+
+    if world > 1:
+        from metainfer.server import ranks
+
+        ep = {"auto": None, "on": True, "off": False}[a.ep]
+        return ranks.serve(world=world, argv=sys.argv[1:], load=load, target=target, lowering=a.lowering,
+                           expert_parallel=ep, cb_config=cfg, run_options=run_options,
+                           rank_timeout_s=a.rank_timeout, step_timeout_s=a.step_timeout)
+    model, tokenizer, name = load(device)
+    opt = metainfer.optimize(model, target, lowering=a.lowering, serve_compile="always")
+    info = ModelInfo(name=name, vocab_size=model.config.vocab_size,
                      max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer)
-    app.run(opt, info, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
-            max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout, grace=a.grace,
-            cb_config=cfg)
-    return 0
+    return app.run(opt, info, cb_config=cfg, **run_options)
 
 
 def cmd_targets(a) -> int:
@@ -481,6 +503,18 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     sv.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
     sv.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
+    sv.add_argument("--ranks", type=_positive_int, metavar="N",
+                    help="serve over N ranks of this host (rank 0 serves HTTP and spawns the others; the model "
+                         "tensor-parallel over all of them). Under torchrun: its WORLD_SIZE (default 1)")
+    sv.add_argument("--tp", type=_positive_int, metavar="N", help="tensor-parallel degree: the same as --ranks N")
+    sv.add_argument("--ep", choices=("auto", "on", "off"), default="auto",
+                    help="spread a MoE model's routed experts over the ranks: the planner's choice (auto, default), "
+                         "or on / off")
+    sv.add_argument("--rank-timeout", type=float, default=3.0, metavar="S",
+                    help="with several ranks: a rank silent this long is lost and the server fails (default 3)")
+    sv.add_argument("--step-timeout", type=float, default=120.0, metavar="S",
+                    help="with several ranks: an engine loop that does not advance this long, while not compiling, "
+                         "fails the server (default 120)")
     sv.set_defaults(fn=cmd_serve)
 
     t = sub.add_parser("targets", help="list the built-in targets")

@@ -245,9 +245,11 @@ def free_port() -> int:
 class ServerProcess:
     """`metainfer serve --model folder --lowering aot_eager *args` on 127.0.0.1, started in `tmp`
     (not the checkout: `python -m` puts the working directory first on sys.path, where kernels/
-    would shadow the `kernels` package transformers imports) and waited for until /ready."""
+    would shadow the `kernels` package transformers imports) and waited for until /ready
+    (`wait=False`: not waited for). `env`: variables added to the server's environment."""
 
-    def __init__(self, folder, tmp, *args: str, key: str | None = None, ready_timeout_s: float = 600):
+    def __init__(self, folder, tmp, *args: str, key: str | None = None, ready_timeout_s: float = 600,
+                 env: dict | None = None, wait: bool = True):
         import subprocess
         import sys
         import time
@@ -261,10 +263,16 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "metainfer", "serve", "--model", str(folder), "--port", str(self.port),
              "--lowering", "aot_eager", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=tmp)
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=tmp)
+        self._ranks: list[int] = [self.proc.pid]
+        if not wait:
+            self._follow_ranks()
+            return
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited: {self.tail()}"
+            self._follow_ranks()
             try:
                 if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
                     return
@@ -272,6 +280,32 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the server was not ready in {ready_timeout_s:g} s: {self.tail()}")
+
+    def _follow_ranks(self) -> None:
+        """Note the rank processes the server spawned (its children), while it lives."""
+        import threading
+
+        def follow():
+            import psutil
+
+            try:
+                me = psutil.Process(self.proc.pid)
+                while self.proc.poll() is None:
+                    for child in me.children():
+                        if child.pid not in self._ranks:
+                            self._ranks.append(child.pid)
+                    threading.Event().wait(0.05)
+            except psutil.Error:
+                pass
+
+        if not getattr(self, "_following", False):
+            self._following = True
+            threading.Thread(target=follow, daemon=True).start()
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The server's process (rank 0) and every rank process it spawned so far."""
+        return list(self._ranks)
 
     def tail(self) -> str:
         self.log.flush()

@@ -32,15 +32,25 @@ from .protocol import APIError, ModelInfo
 log = logging.getLogger("metainfer.server")
 
 
-def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str | None = None) -> FastAPI:
+def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str | None = None,
+              on_serving=None, on_stopping=None, on_failed=None) -> FastAPI:
+    """The app around `engine`. `on_serving(loop)` runs once the engine has started,
+    `on_stopping()` before it stops; `on_failed()` once the engine has failed (its loop died, or
+    `engine.fail` was called), after the requests in flight were answered."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        warm = asyncio.create_task(_warm(engine))
+        if on_serving is not None:
+            on_serving(asyncio.get_running_loop())
+        tasks = [asyncio.create_task(_warm(engine)), asyncio.create_task(_watch_engine(engine, on_failed))]
         try:
             yield
         finally:
-            warm.cancel()
+            for task in tasks:
+                task.cancel()
+            if on_stopping is not None:
+                on_stopping()
             engine.stop()  # on the thread that started it (the runtime's Manager asks for that)
 
     app = FastAPI(title="metainfer", lifespan=lifespan)
@@ -74,8 +84,11 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
-                                            "owned_by": "metainfer", "max_model_len": model.max_positions}]}
+        entry = {"id": model.name, "object": "model", "created": 0, "owned_by": "metainfer",
+                 "max_model_len": model.max_positions}
+        if model.parallel is not None:
+            entry["parallel"] = model.parallel
+        return {"object": "list", "data": [entry]}
 
     async def generate(request: Request, kind: str):
         endpoint = request.url.path
@@ -124,6 +137,24 @@ async def _warm(engine: Engine) -> None:
         await engine.warm_up()
     except Exception:
         log.exception("warm-up failed: /ready stays false")
+
+
+async def _watch_engine(engine: Engine, on_failed, poll_s: float = 0.25) -> None:
+    """Fail the server when the engine's loop dies (its requests fail with it) or someone failed
+    it (a rank of the job); then, once the requests in flight are answered, `on_failed()`."""
+    while engine.failed is None:
+        why = engine.fatal_error()
+        if why is not None:
+            log.error("the engine's loop died: %s", why)
+            if await engine.diagnosed(None) is None:  # no other rank named at fault
+                engine.fail(f"rank 0 raised in its engine: {why}")
+            break
+        await asyncio.sleep(poll_s)
+    deadline = time.monotonic() + 2.0
+    while engine.admission.running and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if on_failed is not None:
+        on_failed()
 
 
 async def _complete(engine: Engine, req, model: ModelInfo, request: Request) -> dict:
@@ -196,18 +227,38 @@ def _sse(obj: dict) -> str:
 
 def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_running: int = 64, max_queue: int = 256, request_timeout: float = 600.0, grace: float = 30.0,
-        cb_config=None, log_level: str = "info") -> None:
+        cb_config=None, log_level: str = "info", rank0=None) -> int:
     """Serve `opt` (an OptimizedModel of a transformers causal LM) until SIGTERM or SIGINT: then
     stop accepting, give in-flight requests `grace` seconds to finish, cancel the rest, stop the
-    engine, return."""
+    engine; returns the exit status: 0 after a drain, 1 when the engine failed. `rank0`
+    (metainfer.server.ranks.Rank0): this is rank 0 of a job whose other ranks follow its engine;
+    a fault of any rank fails the server (and the process exits from rank0.finish)."""
+    import dataclasses
+
     import uvicorn
+
+    from . import ranks
 
     metrics = Metrics()
     engine = Engine(opt, max_running=max_running, max_queue=max_queue, request_timeout=request_timeout,
                     metrics=metrics, cb_config=cb_config)
-    app = build_app(engine, model, metrics, api_key=api_key)
+    if rank0 is not None:
+        engine.diagnose_s = 2.0  # the watch names a rank within a poll or two of its fault
+    parallel = ranks.parallel_of(opt, engine, rank0.job if rank0 is not None else None)
+    model = dataclasses.replace(model, parallel=parallel.as_dict())
+    metrics.show_parallel(parallel)
+    log.info("parallel: %s", parallel.as_dict())
+    server: list = []
+
+    def failed():
+        server[0].should_exit = True
+
+    app = build_app(engine, model, metrics, api_key=api_key, on_failed=failed,
+                    on_serving=(lambda loop: rank0.serving(engine, loop)) if rank0 is not None else None,
+                    on_stopping=rank0.expect_exit if rank0 is not None else None)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace,
                             access_log=False)
+    server.append(uvicorn.Server(config))
     started = time.perf_counter()
     log.info("serving %s on http://%s:%d", model.name, host, port)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found:
@@ -215,9 +266,14 @@ def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api
     stopped_by: list[int] = []
     previous = {sig: signal.signal(sig, lambda s, _f: stopped_by.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.Server(config).run()
+        server[0].run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    status = 1 if engine.failed is not None else 0
     log.info("stopped after %.0f s%s", time.perf_counter() - started,
+             f": {engine.failed.message}" if engine.failed is not None else
              f" ({signal.Signals(stopped_by[0]).name}, drained)" if stopped_by else "")
+    if rank0 is not None:
+        status = max(status, rank0.finish(failed=engine.failed))
+    return status

@@ -9,8 +9,13 @@ which frees its KV blocks.
 
 Sampling: the engine draws with metainfer's Sampler (metainfer.runtime.sampling), each request
 with its own temperature (0: greedy, an argmax), top-k and top-p. A request's seed seeds
-torch's generator as it is admitted: the engine shares one generator across the batch, so a
-seed is best effort, as in OpenAI's API.
+torch's generator before its first draw, in the engine's step (on every rank of a tensor-
+parallel group alike): the engine shares one generator across the batch, so a seed is best
+effort, as in OpenAI's API.
+
+When the engine cannot serve any more (`fail`: a rank of the job died, hung or raised, or the
+engine's own loop died), every request in flight ends at once with a 503 naming the cause and
+new ones are refused the same way, while the server shuts down.
 """
 
 from __future__ import annotations
@@ -41,6 +46,15 @@ class RequestTimeout(APIError):
 class EngineFailed(APIError):
     def __init__(self, why: str):
         super().__init__(500, f"the engine failed this request: {why}", code="engine_error")
+
+
+class ServerFailed(APIError):
+    """The engine cannot serve any more (a rank died, hung or raised): every request in flight
+    ends with this, and new ones get it at once, while the server shuts down."""
+
+    def __init__(self, why: str):
+        super().__init__(503, f"the server is failing: {why}; it is shutting down", kind="server_error",
+                         code="server_failed")
 
 
 class Admission:
@@ -79,26 +93,37 @@ class Admission:
         self.running -= 1
 
 
+def engine_manager(opt, cb_config=None):
+    """The continuous-batching manager the server drives, made alike on every rank of a job (the
+    others follow rank 0's): a sampling config with no processors of its own, so the engine
+    samples with metainfer's Sampler, each request passing its own temperature (0: greedy),
+    top-k, top-p and seed."""
+    from transformers import GenerationConfig
+
+    from metainfer.runtime.sampling import Sampler
+
+    model = opt.model
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, eos_token_id=eos,
+                           pad_token_id=getattr(model.config, "pad_token_id", None))
+    manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
+    if not isinstance(manager.logit_processor, Sampler):
+        raise RuntimeError(f"the engine did not take metainfer's sampler (it has {manager.logit_processor!r})")
+    return manager
+
+
 class Engine:
     def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
                  cb_config=None):
-        from transformers import GenerationConfig
-
-        from metainfer.runtime.sampling import Sampler
-
         self.opt, self.metrics, self.request_timeout = opt, metrics, request_timeout
-        model = opt.model
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        # a sampling config with no processors of its own: the engine samples with metainfer's
-        # Sampler, each request passing its own temperature (0: greedy), top-k and top-p
-        gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, eos_token_id=eos,
-                               pad_token_id=getattr(model.config, "pad_token_id", None))
-        self.manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
-        if not isinstance(self.manager.logit_processor, Sampler):
-            raise RuntimeError(f"the engine did not take metainfer's sampler (it has {self.manager.logit_processor!r})")
+        self.manager = engine_manager(opt, cb_config)
+        eos = opt.model.generation_config.eos_token_id if opt.model.generation_config is not None else None
         self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.admission = Admission(max_running, max_queue)
         self._fed_back = 0  # generated tokens fed back as inputs (all but each request's last)
+        self._inflight: dict[str, asyncio.Queue] = {}  # each admitted request's output queue
+        self.failed: ServerFailed | None = None
+        self.diagnose_s = 0.0  # how long an engine error waits for the job's watch to name a rank (diagnosed)
         self.ready = False
         self.started = False
         self._watch()
@@ -107,6 +132,33 @@ class Engine:
     def start(self) -> None:
         self.manager.start()
         self.started = True
+
+    def fatal_error(self) -> str | None:
+        """Why the engine's loop died (None while it lives or has stopped cleanly)."""
+        error = self.manager.background_thread_status.fatal_error
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    async def diagnosed(self, error: APIError | None) -> APIError | None:
+        """What to answer for an error the engine delivered: in a job of several ranks the engine
+        fails when another rank does (a collective with a dead peer), so the job's watch is given
+        `diagnose_s` to name the rank at fault (ServerFailed) before the engine's own error is."""
+        deadline = time.monotonic() + self.diagnose_s
+        while self.failed is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.failed or error
+
+    def fail(self, why: str) -> None:
+        """On the event loop: the engine cannot serve any more. Every request in flight ends now
+        with ServerFailed, new ones get it at admission, /ready says 503."""
+        if self.failed is not None:
+            return
+        self.failed = ServerFailed(why)
+        self.ready = False
+        for outputs in list(self._inflight.values()):
+            outputs.put_nowait(self.failed)
+        for waiter in list(self.admission.waiting):
+            if not waiter.done():
+                waiter.set_exception(self.failed)
 
     async def warm_up(self) -> None:
         """One request through the engine (a prefill step of several tokens, then decode steps of
@@ -118,9 +170,15 @@ class Engine:
         self.ready = True
 
     def stop(self) -> None:
+        """Stops the engine: drains it (the engine finishes what it holds, every rank of a job
+        with it), or, once it has failed, leaves its loop behind (it may be waiting on a rank
+        that is gone)."""
         if self.started:
             self.started = False
-            self.manager.stop(block=True, timeout=30)
+            if self.failed is None:
+                self.manager.stop(block=True, timeout=30)
+            else:
+                self.manager.stop(block=False, hard_stop=True)
 
     # ---- one request
     async def generate(self, req: GenerationRequest, count: bool = True) -> AsyncIterator[tuple[list[int], str | None]]:
@@ -128,15 +186,20 @@ class Engine:
         request in the engine if the consumer stops early. Raises Overloaded, RequestTimeout,
         EngineFailed."""
         arrived = time.perf_counter()
+        if self.failed is not None:
+            raise self.failed
         await self.admission.acquire()
         rid = f"{req.kind}-{req.id}"
         outputs: asyncio.Queue = asyncio.Queue()
         finished = False
+        self._inflight[rid] = outputs
         try:
+            if self.failed is not None:
+                raise self.failed
             self.manager.register_result_handler(rid, outputs.put_nowait)
-            if req.seed is not None:
-                torch.manual_seed(req.seed)
             sampling = {"temperature": float(req.temperature), "top_p": float(req.top_p), "top_k": int(req.top_k)}
+            if req.seed is not None:  # applied by the sampler before the request's first draw
+                sampling["seed"] = int(req.seed)
             stops = sorted(set(self.eos) | set(req.stop_token_ids)) or [-1]
             try:
                 self.manager.add_request(req.prompt_ids, request_id=rid, max_new_tokens=req.max_tokens, streaming=True,
@@ -153,9 +216,12 @@ class Engine:
                     out = await asyncio.wait_for(outputs.get(), timeout=max(0.0, deadline - time.perf_counter()))
                 except asyncio.TimeoutError:
                     raise RequestTimeout(self.request_timeout) from None
+                if isinstance(out, ServerFailed):
+                    finished = True  # nothing left to cancel: the engine is gone
+                    raise out
                 if out.error is not None:
                     finished = True
-                    raise EngineFailed(out.error)
+                    raise await self.diagnosed(EngineFailed(out.error))
                 ids = list(out.generated_tokens)
                 now = time.perf_counter()
                 if count and len(ids) > sent:
@@ -169,6 +235,7 @@ class Engine:
                     return
                 yield ids, None
         finally:
+            self._inflight.pop(rid, None)
             if not finished:
                 self.manager.cancel_request(rid)
                 with self.manager.output_router._lock:
@@ -184,6 +251,9 @@ class Engine:
         for i, state in enumerate(("used", "cached", "free")):
             m.kv_blocks.labels(state).set_function(lambda i=i: self._blocks()[i])
         m.prefix_hit.set_function(self._prefix_hit)
+        stats = lambda: getattr(getattr(self.manager, "exchange", None), "stats", None)  # noqa: E731 - None: one rank
+        m.exchange_seconds.set_function(lambda: stats().status_s + stats().payload_s if stats() else 0.0)
+        m.exchange_steps.set_function(lambda: stats().status_calls if stats() else 0)
 
     def _blocks(self) -> tuple[float, float, float]:
         with contextlib.suppress(Exception):  # read while the engine thread changes the pool: a scrape may miss

@@ -3,7 +3,7 @@ one process, a test's say, do not share counts)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 # latency buckets from 1 ms to 2 min: a CPU decode step is tens of ms, a cold prefill seconds
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -28,6 +28,19 @@ class Metrics:
                                 "Share of admitted prompt tokens the engine did not compute (cached prefix blocks)",
                                 registry=r)
         self.graphs = Gauge("metainfer_graphs_compiled", "Graphs metainfer compiled for the engine", registry=r)
+        self.degree = Gauge("metainfer_parallel_degree", "Ranks serving the model, its tensor-parallel degree, and "
+                            "whether experts are spread (1) or not (0)", ["kind"], registry=r)
+        self.degrees = Info("metainfer_parallel", "How the model is spread over the ranks, and why", registry=r)
+        self.exchange_seconds = Gauge("metainfer_rank_exchange_seconds", "Seconds rank 0's engine has spent in its "
+                                      "per-step exchange with the other ranks (waiting for them included)", registry=r)
+        self.exchange_steps = Gauge("metainfer_rank_exchange_steps", "Per-step exchanges rank 0's engine has made "
+                                    "(its loop's iterations)", registry=r)
+
+    def show_parallel(self, parallel) -> None:
+        self.degree.labels("ranks").set(parallel.ranks)
+        self.degree.labels("tp").set(parallel.tp)
+        self.degree.labels("ep").set(int(parallel.ep))
+        self.degrees.info({k: str(v) for k, v in parallel.as_dict().items()})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

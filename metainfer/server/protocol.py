@@ -64,6 +64,7 @@ class ModelInfo:
     vocab_size: int
     max_positions: int | None  # None: no limit the config states
     tokenizer: Any = None  # a transformers tokenizer, or None: token ids in and out only
+    parallel: dict | None = None  # how it is spread over the job's ranks, and why (/v1/models)
 
 
 def parse_json(raw: bytes) -> dict:

@@ -5,7 +5,7 @@ tokenizer), and, in this process on the same workload, the server's engine witho
 persistent manager with the server's sampling config, requests at temperature 0: what HTTP
 costs) and `generate_batch` (an engine started per call).
 
-    python bench/bench_http_serving.py [--model hf-llama-512x4] [--requests 32] [--concurrency 32]
+    python bench/bench_http_serving.py [--model hf-llama-512x4] [--requests 32] [--concurrency 32] [--ranks 1 2]
 
 Each server runs alone on 127.0.0.1 (one after the other, so they do not share the cores), is
 warmed up with two passes of the workload (compiles, the engine's first steps), then measured
@@ -27,7 +27,7 @@ import time
 import httpx
 
 from metainfer import loadgen, servebench
-from metainfer.testing import free_port
+from metainfer.testing import free_port, scrape_metrics
 
 
 def _start(cmd: list[str], url: str, ready: str, log_path: str, timeout_s: float = 900) -> subprocess.Popen:
@@ -144,22 +144,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=256, help="KV pool blocks of 256 tokens, every engine")
     ap.add_argument("--skip", nargs="*", default=(), choices=("metainfer", "transformers", "in-process"))
+    ap.add_argument("--target", default="cpu", help="metainfer serve's target (a calibrated TOML declares the "
+                    "shared-memory collectives between its ranks)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1],
+                    help="metainfer serve over each of these rank counts (--ranks N), one after the other")
     a = ap.parse_args()
     workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output, seed=1)
     tokenizer = servebench.word_tokenizer(servebench.MODELS[a.model]["vocab_size"])
-    results = []
+    results, exchanges = [], []
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, a.model)
         servebench.build_model(a.model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        if "metainfer" not in a.skip:
+        for ranks in a.ranks if "metainfer" not in a.skip else ():
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
-                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency))],
-                          url, "/ready", os.path.join(tmp, "metainfer.log"))
+                           "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency)),
+                           "--ranks", str(ranks), "--target", a.target],
+                          url, "/ready", os.path.join(tmp, f"metainfer-{ranks}.log"))
             try:
-                results.append(_measure("metainfer serve", url, workload, tokenizer, a.concurrency, a.rounds))
+                name = "metainfer serve" + (f" --ranks {ranks}" if len(a.ranks) > 1 else "")
+                before = scrape_metrics(url)
+                results.append(_measure(name, url, workload, tokenizer, a.concurrency, a.rounds))
+                exchanges.append((name, scrape_metrics(url), before))
             finally:
                 _stop(proc)
         if "transformers" not in a.skip:
@@ -179,6 +187,13 @@ def main() -> None:
           f"({sum(r.prompt_tokens for r in workload.requests)} in all), {a.output} new each, concurrency "
           f"{a.concurrency}, KV pool {a.num_blocks} blocks; best of {a.rounds} measured passes each")
     print(loadgen.table(results))
+    for name, after, before in exchanges:
+        steps = after.get("metainfer_rank_exchange_steps", 0) - before.get("metainfer_rank_exchange_steps", 0)
+        if steps:
+            spent = after["metainfer_rank_exchange_seconds"] - before["metainfer_rank_exchange_seconds"]
+            print(f"{name}: rank 0's engine loop made {steps:.0f} iterations over the warm-up and measured passes, "
+                  f"{spent / steps * 1e6:.0f} us each in the per-step exchange (waiting for the other ranks "
+                  "included)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ engine's own: an all-reduce of three ints every step, pickled RequestStates broa
 requests arrive) and over metainfer's shared-memory path (metainfer/runtime/exchange.py), side
 by side in one run on 2 CPU ranks of this host.
 
-    python bench/bench_rank_exchange.py [--models hf-llama-tiny hf-llama-512x4] [--running 1 8 64] [--json F]
+    python bench/bench_rank_exchange.py [--models hf-llama-tiny hf-llama-512x4] [--running 1 8 64]
+        [--breakdown N] [--target T] [--json F]
 
 Two parts:
 - transport alone: both ranks call the exchange back to back (no model): microseconds per
@@ -77,7 +78,8 @@ def transport_rank(rank: int, world: int, calls: int):
     return out
 
 
-def engine_rank(rank: int, world: int, model_name: str, running: list[int], window: int):
+def engine_rank(rank: int, world: int, model_name: str, running: list[int], window: int, breakdown: int = 0,
+                target: str = "cpu"):
     """Rank 0: one row per (transport, running) with the window's status calls (first, last) and
     times; every rank: its status calls' seconds, call i of one rank being call i of the other."""
     import collections
@@ -89,7 +91,7 @@ def engine_rank(rank: int, world: int, model_name: str, running: list[int], wind
 
     torch.set_num_threads(1)  # a core per rank, as `metainfer serve --ranks 2` runs them here
     model = servebench.build_model(model_name)
-    opt = metainfer.optimize(model, "cpu", tensor_parallel=world, serve_compile="always")
+    opt = metainfer.optimize(model, target, tensor_parallel=world, serve_compile="always")
     gen = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=-1, pad_token_id=0)
     rows, calls = [], {}
     for transport in TRANSPORTS:
@@ -104,6 +106,8 @@ def engine_rank(rank: int, world: int, model_name: str, running: list[int], wind
                     row = _window(manager, ex, n, window if measured else 4, f"{transport}-{measured}-{n}")
                     if measured:
                         rows.append({"model": model_name, "transport": transport, "running": n, **row})
+            if breakdown:
+                rows[-1]["breakdown"] = _profiled_window(manager, ex, breakdown, window, f"{transport}-profiled")
             manager.stop()
         else:
             while manager.is_running():
@@ -129,6 +133,67 @@ def _window(manager, ex, n: int, window: int, tag: str) -> dict:
             "admit_payload_bytes": admitted["payload_bytes"]}
 
 
+def _profiled_window(manager, ex, n: int, window: int, tag: str) -> dict:
+    """Where rank 0's decode steps go with `n` requests running: torch's profiler on the
+    engine's thread (started and stopped by its own exchange calls) over `window` steps, each
+    step's forward timed; per step: the forward, of it the collectives (the self time of gloo /
+    c10d / shm collective ops and their waits), the per-step exchange, and the rest of the loop
+    (scheduling, sampling, output delivery)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from metainfer.runtime import serving
+
+    forward = []
+    step_call = serving._Step.__call__
+
+    def timed(self, kwargs):  # the forward runs inside the step's context
+        import contextlib
+
+        @contextlib.contextmanager
+        def around():
+            start = time.perf_counter()
+            with step_call(self, kwargs):
+                yield
+            forward.append(time.perf_counter() - start)
+        return around()
+
+    ids = [manager.add_request(list(range(3 + i % 7, 19 + i % 7)), max_new_tokens=window + 64, request_id=f"{tag}-{i}")
+           for i in range(n)]
+    _wait_steps(manager, 3)
+    status, state = ex.tp_all_reduce_state, {"calls": 0}
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    def profiled(*args, **kwargs):
+        state["calls"] += 1
+        if state["calls"] == 1:
+            prof.__enter__()
+            state["t0"], state["before"] = time.perf_counter(), ex.stats.snapshot()
+            serving._Step.__call__ = timed
+        elif state["calls"] == window + 1:
+            serving._Step.__call__ = step_call
+            state["wall"], state["spent"] = time.perf_counter() - state["t0"], ex.stats.since(state["before"])
+            prof.__exit__(None, None, None)
+        return status(*args, **kwargs)
+
+    ex.tp_all_reduce_state = profiled
+    while state["calls"] <= window:
+        if not manager.is_running():
+            raise RuntimeError("the engine stopped while profiled")
+        time.sleep(0.01)
+    ex.tp_all_reduce_state = status
+    for rid in ids:
+        manager.cancel_request(rid)
+    _wait_idle(manager)
+    collective = sum(e.self_cpu_time_total for e in prof.events()
+                     if any(k in e.name for k in ("c10d", "gloo", "shm_all", "shm_reduce", "wait_tensor"))) / 1e6
+    steps, wall = window, state["wall"]
+    exchange_s = state["spent"]["status_s"] + state["spent"]["payload_s"]
+    fwd = sum(forward[:steps])
+    return {"running": n, "step_ms": wall / steps * 1e3, "forward_ms": fwd / steps * 1e3,
+            "collectives_ms": collective / steps * 1e3, "compute_ms": (fwd - collective) / steps * 1e3,
+            "exchange_ms": exchange_s / steps * 1e3, "rest_ms": (wall - fwd - exchange_s) / steps * 1e3}
+
+
 def _wait_steps(manager, k: int):
     start = manager.steps.steps
     deadline = time.monotonic() + 600
@@ -152,6 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--running", nargs="+", type=int, default=[1, 8, 64])
     ap.add_argument("--window", type=int, default=40, help="decode steps measured per row")
     ap.add_argument("--calls", type=int, default=2000, help="status exchanges timed in the transport part")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="also profile a window of decode steps with N requests running (0: no)")
+    ap.add_argument("--target", default="cpu", help="the ranks' target (a calibrated TOML declares the "
+                    "shared-memory collectives the model's forward may take)")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
     from metainfer.parallel import multirank
@@ -166,7 +235,8 @@ def main(argv=None) -> int:
               + "   " + ", ".join(f"{row[f'payload{n}_bytes']:.0f}" for n in (1, 8, 64)))
     result["engine"] = []
     for name in a.models:
-        ranks = multirank.run(me.engine_rank, 2, args=(name, a.running, a.window), timeout_s=1800)
+        ranks = multirank.run(me.engine_rank, 2, args=(name, a.running, a.window, a.breakdown, a.target),
+                              timeout_s=1800)
         rows = ranks[0][0]
         for r in rows:
             first, last = r.pop("calls")
@@ -183,6 +253,16 @@ def main(argv=None) -> int:
     for r in result["engine"]:
         print(f"{r['model']:16s} {r['transport']:9s} {r['running']:7d} {r['step_ms']:8.2f} {r['rank0_us']:9.1f} "
               f"{r['exchange_us']:8.1f} {r['share']:6.2%} {r['admit_payload_us']:16.1f} {r['admit_payload_bytes']:8d}")
+    broken = [r for r in result["engine"] if "breakdown" in r]
+    if broken:
+        print("\nwhere rank 0's decode step goes (torch's profiler on the engine's thread; the collectives are the "
+              "self time of the collective ops and their waits):")
+        print(f"{'model':16s} {'transport':9s} {'running':>7s} {'step ms':>8s} {'forward':>8s} {'compute':>8s} "
+              f"{'collect.':>8s} {'exchange':>8s} {'rest':>8s}")
+        for r in broken:
+            b = r["breakdown"]
+            print(f"{r['model']:16s} {r['transport']:9s} {b['running']:7d} {b['step_ms']:8.2f} {b['forward_ms']:8.2f} "
+                  f"{b['compute_ms']:8.2f} {b['collectives_ms']:8.2f} {b['exchange_ms']:8.2f} {b['rest_ms']:8.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

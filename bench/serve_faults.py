@@ -4,10 +4,11 @@ when it came, and what was left behind (rank processes, zombies, files in /dev/s
 
     python bench/serve_faults.py [--model hf-llama-tiny] [--json F]
 
-Faults (rank 1 of 2; HF Llama tiny, aot_eager): killed (SIGKILL) mid-decode; hung (SIGSTOP:
-the process stops answering); raising in its engine loop (METAINFER_SERVE_FAULT=raise@1, fired
-by SIGUSR2); one that cannot start (METAINFER_SERVE_FAULT=start@1). Three streamed requests of
-400 tokens are in flight when a fault hits.
+Faults (rank 1 of 2; HF Llama tiny, aot_eager, --step-timeout 2): killed (SIGKILL) mid-decode;
+hung (SIGSTOP: the process stops answering); raising in its engine loop, or stuck in it while
+the process answers (METAINFER_SERVE_FAULT=raise@1 / hang@1, fired by SIGUSR2); one that
+cannot start (METAINFER_SERVE_FAULT=start@1). Three streamed requests of 400 tokens are in
+flight when a fault hits.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ FAULTS = {
     "killed mid-decode (SIGKILL)": ("kill", None),
     "hung (SIGSTOP)": ("stop", None),
     "raises in its engine loop": ("usr2", "raise@1"),
+    "stuck in its engine loop (--step-timeout 2)": ("usr2", "hang@1"),
     "cannot start": (None, "start@1"),
 }
 
@@ -61,7 +63,7 @@ def run_fault(name: str, model: str, tmp: str) -> dict:
     action, env = FAULTS[name]
     before_shm = set(os.listdir("/dev/shm"))
     extra = {"METAINFER_SERVE_FAULT": env} if env else {}
-    args = ("--ranks", "2", "--num-blocks", "256", "--grace", "10", "--served-model-name", "m")
+    args = ("--ranks", "2", "--num-blocks", "256", "--grace", "10", "--served-model-name", "m", "--step-timeout", "2")
     started = time.monotonic()
     if action is None:  # it must not become ready: time its exit
         server = ServerProcess(model, tmp, *args, env=extra, wait=False)

@@ -294,6 +294,10 @@ def cmd_serve(a) -> int:
     if world > 1:
         from metainfer.server import ranks
 
+        if a.model not in servebench.MODELS and not Path(a.model).exists():  # before any rank starts
+            raise UsageError(f"--model {a.model}: neither a benchmark model ({', '.join(servebench.MODELS)}) nor a "
+                             "Hugging Face config.json or model folder")
+
         ep = {"auto": None, "on": True, "off": False}[a.ep]
         return ranks.serve(world=world, argv=sys.argv[1:], load=load, target=target, lowering=a.lowering,
                            expert_parallel=ep, cb_config=cfg, run_options=run_options,
@@ -483,8 +487,9 @@ def parser() -> argparse.ArgumentParser:
                         "/v1/models, /health, /ready, /metrics) whose engine is transformers' continuous batching "
                         "running metainfer's graphs. Stops on SIGTERM/SIGINT after draining (docs/serving.md).")
     sv.add_argument("--model", required=True, metavar="NAME_CONFIG_OR_FOLDER",
-                    help="a benchmark model (hf-llama-tiny, hf-llama-512x4: random weights), a Hugging Face "
-                         "config.json (random weights) or a local model folder (weights and tokenizer)")
+                    help="a benchmark model (hf-llama-tiny, hf-llama-512x4, hf-llama-tiny-kv1, hf-deepseek-v3-tiny, "
+                         "hf-qwen3-moe-tiny: random weights), a Hugging Face config.json (random weights) or a local "
+                         "model folder (weights and tokenizer)")
     sv.add_argument("--target", default="cpu", help="target name or TOML file (default cpu)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")

@@ -473,6 +473,20 @@ MODELS = {
                            max_position_embeddings=4096),
     "hf-llama-tiny": dict(arch="Llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    # one key-value head: at tp 2 and more, each rank keeps it whole (more ranks than KV heads)
+    "hf-llama-tiny-kv1": dict(arch="Llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                              max_position_embeddings=2048),
+    # MoE: MLA attention, a dense first layer, 8 routed experts (top 2 of 2 groups) and a shared one
+    "hf-deepseek-v3-tiny": dict(arch="DeepseekV3", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                max_position_embeddings=2048),
+    "hf-qwen3-moe-tiny": dict(arch="Qwen3Moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+                              moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=2048),
 }
 
 

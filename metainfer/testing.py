@@ -242,6 +242,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {'name{labels}': value}."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 class ServerProcess:
     """`metainfer serve --model folder --lowering aot_eager *args` on 127.0.0.1, started in `tmp`
     (not the checkout: `python -m` puts the working directory first on sys.path, where kernels/
@@ -313,14 +325,7 @@ class ServerProcess:
         return self.log.read()[-3000:]
 
     def metrics(self) -> dict[str, float]:
-        import httpx
-
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return scrape_metrics(self.url)
 
     def headers(self, key: str | None = "default") -> dict:
         key = self.key if key == "default" else key

@@ -735,10 +735,10 @@ def test_sequence_parallel_region_rules():
     assert scaled and not joins(scaled[0])
 
 
-def tp_serving(rank, world, prompts):
+def tp_serving(rank, world, prompts, kv_heads):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model = tiny_hf_model("Llama", attn="sdpa", layers=2, num_key_value_heads=world)
+    model = tiny_hf_model("Llama", attn="sdpa", layers=2, num_key_value_heads=kv_heads)
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
     opt = metainfer.optimize(model, "pcie8", emulate=True, tensor_parallel=world, lowering="aot_eager")
     out = opt.generate_batch(prompts, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(
@@ -746,20 +746,24 @@ def tp_serving(rank, world, prompts):
     return [o.generated_tokens for o in out.values()], opt.report.notes
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_serving_in_a_tensor_parallel_job_gives_the_single_process_tokens(world):
+@pytest.mark.parametrize("world,kv_heads", [(2, 2), (2, 1), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_serving_in_a_tensor_parallel_job_gives_the_single_process_tokens(world, kv_heads):
     """Continuous batching on metainfer's graphs inside a job: the model sharded by DTensor, the
-    engine in its tensor-parallel mode over the same mesh; every rank's tokens equal the plain
-    engine's in one process."""
+    engine in its tensor-parallel mode over the same mesh, its per-step exchange through shared
+    memory; every rank's tokens equal the plain engine's in one process. With one KV head at
+    tp 2 each rank keeps it whole, and the engine's pool holds that one head (it split the
+    config's heads by the degree and refused before)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
-    model = tiny_hf_model("Llama", attn="sdpa", layers=2, num_key_value_heads=world)
+    model = tiny_hf_model("Llama", attn="sdpa", layers=2, num_key_value_heads=kv_heads)
     gen = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
     plain = [o.generated_tokens for o in model.generate_batch(prompts, generation_config=gen, continuous_batching_config=
                                                               ContinuousBatchingConfig(num_blocks=32, page_size=16,
                                                                                        max_batch_tokens=64)).values()]
-    for tokens, notes in multirank.run(tp_serving, world, args=(prompts,), timeout_s=TIMEOUT_S):
+    for tokens, notes in multirank.run(tp_serving, world, args=(prompts, kv_heads), timeout_s=TIMEOUT_S):
         assert tokens == plain
         assert any("tensor-parallel mode over ranks" in n for n in notes)
+        assert any("per-step exchange between ranks (statuses, new requests) goes through a shared-memory" in n
+                   for n in notes), notes

@@ -88,6 +88,25 @@ def test_the_sampler_marks_its_draws_for_the_engines_argmax(device_path, monkeyp
     assert int(picked[1]) in logits[1].topk(5).indices.tolist()
 
 
+def test_a_requests_seed_seeds_the_draw_once_before_its_first_token():
+    """The seed travels with the request (every rank of a tensor-parallel group gets it in the
+    request's state) and is applied in the step, before the request's first draw, then dropped."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(5))
+
+    def first_draw(seed):
+        sampler = sampling.Sampler()
+        rows = [_Row(temperature=1.0, seed=seed), _Row(temperature=1.0)]
+        storage = torch.zeros(3, 8, dtype=torch.int32)
+        torch.manual_seed(seed + 1000)  # whatever the generator held before
+        sampler.prepare_tensor_args(rows, storage)
+        assert all("seed" not in r.state.logit_processor_kwargs for r in rows)  # applied once
+        return sampler(None, logits.clone(), storage).argmax(-1).tolist()
+
+    assert first_draw(7) == first_draw(7)
+    assert len({tuple(first_draw(s)) for s in range(8)}) > 1  # the seed decides the draw
+    assert sampling.Sampler().supported_keys["seed"] is int  # the engine admits it per request
+
+
 def test_the_sampler_stands_only_for_temperature_top_k_top_p():
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList

@@ -45,11 +45,7 @@ def start(target: _targets.Target, *, backend: str | None = None, timeout_s: flo
     has; set the target's collective-library settings first (ones the user set win).
     Returns the settings applied, "NAME=value" each."""
     t = _targets.required(target, "distributed.start")
-    applied = []
-    for name, (value, _) in t.collective_settings().items():
-        if name not in os.environ:
-            os.environ[name] = value
-            applied.append(f"{name}={value}")
+    applied = apply_collective_settings(t)
     if not dist.is_initialized():
         backend = backend or ("nccl" if t.device.kind == "cuda" and torch.cuda.is_available() else "gloo")
         if backend == "gloo":
@@ -57,6 +53,17 @@ def start(target: _targets.Target, *, backend: str | None = None, timeout_s: flo
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return applied
+
+
+def apply_collective_settings(target: _targets.Target) -> list[str]:
+    """The target's collective-library settings into the environment, before a process group
+    starts (ones the user set win); returns those applied, "NAME=value" each."""
+    applied = []
+    for name, (value, _) in target.collective_settings().items():
+        if name not in os.environ:
+            os.environ[name] = value
+            applied.append(f"{name}={value}")
     return applied
 
 

@@ -40,6 +40,7 @@ import functools
 import pickle
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
@@ -222,7 +223,18 @@ def install(manager, mode: str = "auto", slot_bytes: int = SLOT_BYTES, record: i
             raise RuntimeError(f"the engine's exchange cannot run through shared memory: {why}")
     exchange = StepExchange(helper, comm, record)
     manager.distributed_helper = exchange
+    if not helper.is_tp_driver:
+        # An idle loop sleeps 0.1 s on an event only add_request and cancel_request set, which a
+        # follower never gets: its sleep then made the driver, woken at once by a new request,
+        # wait up to 0.1 s for it in the next exchange. A follower waits in the exchange instead
+        # (for the driver, asleep in a futex or gloo's recv: no core spent).
+        manager._wake_up_loop = _NeverSleep()
     return exchange
+
+
+class _NeverSleep(threading.Event):
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 def _attach(helper, slot_bytes: int):

@@ -387,18 +387,51 @@ def _engine_config(opt, cb_config, request_tokens: list[int] | None):
     page = cfg.page_size
     batch_tokens = cfg.max_batch_tokens or ENGINE_MAX_BATCH_TOKENS
     given = "given" if cfg.max_batch_tokens else "the engine's default"
-    if cfg.num_blocks is not None:
-        fits = choose_capacity(opt, None, page, batch_tokens)
-        if cfg.num_blocks > fits.num_blocks:
-            raise ValueError(f"a KV pool of {cfg.num_blocks} blocks x {page} tokens does not fit: {fits.memory} "
-                             f"allows {fits.num_blocks}")
-        cap = Capacity(cfg.num_blocks, page, batch_tokens,
-                       f"KV pool {cfg.num_blocks} blocks x {page} tokens, as given; max_batch_tokens {batch_tokens} "
-                       f"({given})")
-    else:
-        cap = choose_capacity(opt, request_tokens, page, batch_tokens)
-        cap.why += f" ({given})"
+    cap, error = None, None
+    try:
+        if cfg.num_blocks is not None:
+            fits = choose_capacity(opt, None, page, batch_tokens)
+            if cfg.num_blocks > fits.num_blocks:
+                raise ValueError(f"a KV pool of {cfg.num_blocks} blocks x {page} tokens does not fit: {fits.memory} "
+                                 f"allows {fits.num_blocks}")
+            cap = Capacity(cfg.num_blocks, page, batch_tokens,
+                           f"KV pool {cfg.num_blocks} blocks x {page} tokens, as given; max_batch_tokens {batch_tokens} "
+                           f"({given})")
+        else:
+            cap = choose_capacity(opt, request_tokens, page, batch_tokens)
+            cap.why += f" ({given})"
+    except ValueError as e:
+        error = str(e)
+    cap = _agreed(opt, cap, error)
     return dataclasses.replace(cfg, num_blocks=cap.num_blocks, max_batch_tokens=batch_tokens), cap
+
+
+def _agreed(opt, cap: Capacity | None, error: str | None) -> Capacity:
+    """In a tensor-parallel job every rank's engine runs the same pool: the smallest any rank can
+    hold (the engine would take the minimum too, after metainfer admitted requests against its
+    own), and a pool one rank cannot hold is refused on every rank, naming it. Agreed through
+    the job's store (metainfer.passes.ranks.exchange), before the engine exists."""
+    import torch.distributed as dist
+
+    from metainfer.parallel import distributed
+    from metainfer.passes import ranks
+
+    mesh = distributed.tp_mesh(opt.model)
+    if mesh is None:
+        if error is not None:
+            raise ValueError(error)
+        return cap
+    group = mesh.get_group()
+    verdicts = ranks.exchange((None if cap is None else cap.num_blocks, error), group.group_name)
+    members = dist.get_process_group_ranks(group)
+    for rank, (_, why) in zip(members, verdicts):
+        if why is not None:
+            raise ValueError(f"rank {rank}: {why}")
+    smallest = min(blocks for blocks, _ in verdicts)
+    if smallest < cap.num_blocks:
+        cap = dataclasses.replace(cap, num_blocks=smallest,
+                                  why=f"{cap.why}; {smallest} blocks on every rank, the smallest of the ranks' pools")
+    return cap
 
 
 @contextlib.contextmanager

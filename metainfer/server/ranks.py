@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from metainfer.parallel import launch
+from metainfer.parallel import distributed, launch
 
 log = logging.getLogger("metainfer.server")
 
@@ -91,6 +91,7 @@ class Rank0:
         """From now on a fault fails `engine` (on `loop`), whose app then stops serving."""
         if self.progress is not None:
             self.progress.manager = engine.manager
+        inject(engine.manager, 0)
         with self._lock:
             self.engine, self.loop = engine, loop
             fault = self.fault
@@ -154,13 +155,19 @@ def serve(*, world: int, argv: list[str], load, target, lowering: str | None, ex
     job = launch.Job.from_environment() if in_job else launch.Job.spawn(world, argv)
     if job.world != world:
         raise ValueError(f"--ranks {world}, but the job has {job.world} ranks (WORLD_SIZE)")
-    logging.getLogger().handlers[0].setFormatter(logging.Formatter(
-        f"%(asctime)s rank{job.rank} %(name)s %(levelname)s %(message)s"))
+    for handler in logging.getLogger().handlers:  # which rank said it
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank{job.rank} %(name)s %(levelname)s %(message)s"))
     rank0 = Rank0(job, rank_timeout_s, step_timeout_s) if job.rank == 0 else None
     progress = Progress()
     try:
         start_fault(job.rank)
         cuda = target.device.kind == "cuda"
+        # transformers asks for it before the process group of a tensor-parallel engine (its CUDA
+        # graphs with NCCL); set here, it also spares every rank its warning
+        os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
+        applied = distributed.apply_collective_settings(target)
+        if applied and job.rank == 0:
+            log.info("collective settings from target %s: %s", target.name, ", ".join(applied))
         job.join("nccl" if cuda else "gloo")
         if rank0 is not None:
             rank0.beat(progress, progress.check)

@@ -4,10 +4,10 @@ when it came, and what was left behind (rank processes, zombies, files in /dev/s
 
     python bench/serve_faults.py [--model hf-llama-tiny] [--json F]
 
-Faults (rank 1 of 2; HF Llama tiny, aot_eager, --step-timeout 2): killed (SIGKILL) mid-decode;
-hung (SIGSTOP: the process stops answering); raising in its engine loop, or stuck in it while
-the process answers (METAINFER_SERVE_FAULT=raise@1 / hang@1, fired by SIGUSR2); one that
-cannot start (METAINFER_SERVE_FAULT=start@1). Three streamed requests of 400 tokens are in
+Faults (rank 1 of 2 unless said; HF Llama tiny, aot_eager, --step-timeout 2): killed (SIGKILL)
+mid-decode; hung (SIGSTOP: the process stops answering); raising in its engine loop (rank 1, and
+rank 0), or stuck in it while the process answers (METAINFER_SERVE_FAULT=raise@R / hang@1,
+fired by SIGUSR2); one that cannot start (METAINFER_SERVE_FAULT=start@1). Three streamed requests of 400 tokens are in
 flight when a fault hits.
 """
 
@@ -27,12 +27,13 @@ import psutil
 
 from metainfer.testing import ServerProcess
 
-FAULTS = {
-    "killed mid-decode (SIGKILL)": ("kill", None),
-    "hung (SIGSTOP)": ("stop", None),
-    "raises in its engine loop": ("usr2", "raise@1"),
-    "stuck in its engine loop (--step-timeout 2)": ("usr2", "hang@1"),
-    "cannot start": (None, "start@1"),
+FAULTS = {  # name: (what is done to the rank, METAINFER_SERVE_FAULT, the rank)
+    "killed mid-decode (SIGKILL)": ("kill", None, 1),
+    "hung (SIGSTOP)": ("stop", None, 1),
+    "raises in its engine loop": ("usr2", "raise@1", 1),
+    "stuck in its engine loop (--step-timeout 2)": ("usr2", "hang@1", 1),
+    "rank 0 raises in its engine loop": ("usr2", "raise@0", 0),
+    "cannot start": (None, "start@1", 1),
 }
 
 
@@ -60,7 +61,7 @@ def _stream(url: str, out: dict, prompt: list[int]) -> None:
 
 
 def run_fault(name: str, model: str, tmp: str) -> dict:
-    action, env = FAULTS[name]
+    action, env, rank = FAULTS[name]
     before_shm = set(os.listdir("/dev/shm"))
     extra = {"METAINFER_SERVE_FAULT": env} if env else {}
     args = ("--ranks", "2", "--num-blocks", "256", "--grace", "10", "--served-model-name", "m", "--step-timeout", "2")
@@ -70,7 +71,7 @@ def run_fault(name: str, model: str, tmp: str) -> dict:
         code = server.proc.wait(timeout=600)
         ranks = server.rank_pids
         return {"fault": name, "clients": [], "exit_status": code, "exit_after_s": round(time.monotonic() - started, 1),
-                "message": _error_line(server.tail()), "left_behind": _leftovers(before_shm, ranks)}
+                "message": _error_line(server.tail(None)), "left_behind": _leftovers(before_shm, ranks)}
     server = ServerProcess(model, tmp, *args, env=extra)
     ranks = server.rank_pids
     clients = [{} for _ in range(3)]
@@ -80,7 +81,7 @@ def run_fault(name: str, model: str, tmp: str) -> dict:
     deadline = time.monotonic() + 120
     while not all(c.get("tokens", 0) >= 8 for c in clients) and time.monotonic() < deadline:
         time.sleep(0.02)
-    victim = next(p for p in ranks if p != server.proc.pid)
+    victim = ranks[rank]
     fault_at = time.monotonic()
     os.kill(victim, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "usr2": signal.SIGUSR2}[action])
     for t in threads:
@@ -91,7 +92,7 @@ def run_fault(name: str, model: str, tmp: str) -> dict:
             "clients": [{"tokens_before": c.get("tokens"), "status": c.get("status"),
                          "error_after_s": round(c["at"] - fault_at, 2) if "at" in c else None,
                          "error": (c.get("error") or "")[:160]} for c in clients],
-            "message": _error_line(server.tail()), "left_behind": _leftovers(before_shm, ranks)}
+            "message": _error_line(server.tail(None)), "left_behind": _leftovers(before_shm, ranks)}
 
 
 def _error_line(log: str) -> str:

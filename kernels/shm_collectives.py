@@ -326,7 +326,7 @@ _KINDS = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter", 4: "broadcast"}
 
 def _describe(kind: int, nbytes: int) -> str:
     dtype = {v: k for k, v in _DTYPES.items()}.get(kind % 8)
-    what = _KINDS.get((kind >> 3) & 0xFFFFFFFF, f"kind {(kind >> 3) & 0xFFFFFFFF}")
+    what = _KINDS.get((kind & 0xFFFFFFFF) >> 3, f"kind {(kind & 0xFFFFFFFF) >> 3}")
     if what == "broadcast":  # its root in the high word (root + 1)
         return f"broadcast of {nbytes} bytes from member {(kind >> 32) - 1}"
     return f"{what} of {nbytes} bytes" + (f" {str(dtype).replace('torch.', '')}" if what != "all_gather" else "")

@@ -299,7 +299,7 @@ def cmd_serve(a) -> int:
                              "Hugging Face config.json or model folder")
 
         ep = {"auto": None, "on": True, "off": False}[a.ep]
-        return ranks.serve(world=world, argv=sys.argv[1:], load=load, target=target, lowering=a.lowering,
+        return ranks.serve(world=world, argv=a.argv, load=load, target=target, lowering=a.lowering,
                            expert_parallel=ep, cb_config=cfg, run_options=run_options,
                            rank_timeout_s=a.rank_timeout, step_timeout_s=a.step_timeout)
     model, tokenizer, name = load(device)
@@ -532,7 +532,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parser().parse_args(argv)
+    a.argv = argv  # what started this command: `serve --ranks N` starts its other ranks with it
     try:
         return a.fn(a)
     except (UsageError, ValueError, FileNotFoundError) as e:  # refused input: the message says why

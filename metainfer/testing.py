@@ -294,21 +294,22 @@ class ServerProcess:
         raise TimeoutError(f"the server was not ready in {ready_timeout_s:g} s: {self.tail()}")
 
     def _follow_ranks(self) -> None:
-        """Note the rank processes the server spawned (its children), while it lives."""
+        """Note the rank processes the server spawned (its children running metainfer; not, say,
+        the C compiler building the shared-memory library), while it lives."""
         import threading
 
         def follow():
             import psutil
 
-            try:
-                me = psutil.Process(self.proc.pid)
-                while self.proc.poll() is None:
+            me = psutil.Process(self.proc.pid)
+            while self.proc.poll() is None:
+                try:
                     for child in me.children():
-                        if child.pid not in self._ranks:
+                        if child.pid not in self._ranks and "metainfer" in child.cmdline():
                             self._ranks.append(child.pid)
-                    threading.Event().wait(0.05)
-            except psutil.Error:
-                pass
+                except psutil.Error:  # a child gone between listing and reading it
+                    pass
+                threading.Event().wait(0.05)
 
         if not getattr(self, "_following", False):
             self._following = True
@@ -319,10 +320,12 @@ class ServerProcess:
         """The server's process (rank 0) and every rank process it spawned so far."""
         return list(self._ranks)
 
-    def tail(self) -> str:
+    def tail(self, chars: int | None = 3000) -> str:
+        """The end of the server's log (None: all of it)."""
         self.log.flush()
         self.log.seek(0)
-        return self.log.read()[-3000:]
+        text = self.log.read()
+        return text if chars is None else text[-chars:]
 
     def metrics(self) -> dict[str, float]:
         return scrape_metrics(self.url)

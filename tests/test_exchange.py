@@ -46,14 +46,16 @@ def test_diffs_rebuild_the_engines_request_states(prompts, cancelled):
     assert [_fields(s) for s in got] == [_fields(s) for s in states]
 
 
-def test_a_state_the_config_does_not_describe_is_sent_whole():
+def test_a_state_the_config_does_not_describe_is_sent_whole_in_its_place():
     changed = _state(0, [3, 4])
     changed.generated_tokens.append(9)  # not a fresh request: what get_request_config leaves out
-    big = _state(1, [2**31])  # not an int32 id
-    data, whole = exchange.encode(([changed, big, _state(2, [1])], ["x"]))
+    big = _state(2, [2**31])  # not an int32 id
+    sent = [_state(1, [1]), changed, _state(3, [5, 6]), big, _state(4, [7])]
+    data, whole = exchange.encode((sent, ["x"]))
     states, _ = exchange.decode(data)
     assert whole == 2
-    assert sorted(_fields(s) for s in states) == sorted(_fields(s) for s in (changed, big, _state(2, [1])))
+    # in the order sent: every rank adds them to its scheduler in that order
+    assert [_fields(s) for s in states] == [_fields(s) for s in sent]
 
 
 def _transports_rank(rank: int, world: int, payload_tokens: list[int], slot_bytes: int):
@@ -128,3 +130,20 @@ def _broadcast_rank(rank: int, world: int, sizes: list[int], root: int, slot_byt
 def test_broadcast_bytes_reach_every_rank(sizes, root, slot_kib):
     for out in multirank.run(_broadcast_rank, 2, args=(sizes, root, slot_kib << 10), timeout_s=TIMEOUT_S):
         assert out == [bytes((i * 7 + n) % 251 for i in range(n)) for n in sizes]
+
+
+def _mismatched_broadcast_rank(rank: int, world: int):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    comm = shm.attach(group.group_name, slot_bytes=64 << 10)
+    n = 100 if rank == 0 else 200  # the members were told different sizes
+    with pytest.raises(shm.ShmCollectiveError) as e:
+        comm.broadcast_bytes(b"x" * n if rank == 0 else None, n, root=0)
+    return str(e.value)
+
+
+@needs_shm
+def test_a_broadcast_the_members_disagree_on_is_refused_naming_it():
+    for message in multirank.run(_mismatched_broadcast_rank, 2, timeout_s=TIMEOUT_S):
+        assert "broadcast of 100 bytes from member 0" in message and "broadcast of 200 bytes" in message, message

@@ -137,3 +137,38 @@ def test_a_cpu_target_splits_into_ranks_of_its_host():
     assert two.topology.intra_island == cpu.topology.intra_island  # the host's own processes' link
     with pytest.raises(ValueError, match="one-device CPU target"):
         distributed.host_ranks(targets.get("pcie8"), 2)
+
+
+@pytest.mark.parametrize("consequential", [False, True])
+def test_a_failure_that_may_follow_a_peers_is_reported_after_the_peer_could_be_named(consequential):
+    """A rank whose engine failed in a collective (its peer gone?) reports only after the watch
+    could have seen the peer's beat stop; its own failure, at once."""
+    job = _Job(2)
+    rank1 = launch.Job(1, 2, 1, job.addr, job.port, job.store)
+    lost = []
+    hb = launch.Heartbeat(rank1, check=lambda: ("raised in its engine: boom", consequential), rank_timeout_s=0.5,
+                          on_lost_driver=lost.append)
+    hb.start()
+    start = time.monotonic()
+    while not job.store.check([f"{launch.PREFIX}error/1"]):
+        _beat(job, 0)  # rank 0 alive
+        time.sleep(0.02)
+        assert time.monotonic() - start < 10
+    waited = time.monotonic() - start
+    assert (waited >= 0.5) == consequential, waited
+    assert job.store.get(f"{launch.PREFIX}error/1").decode().endswith("raised in its engine: boom")
+    assert not lost
+    hb.stop()
+
+
+def test_a_followers_heartbeat_ends_it_when_rank_0_stops_beating():
+    job = _Job(2)
+    rank1 = launch.Job(1, 2, 1, job.addr, job.port, job.store)
+    lost = []
+    hb = launch.Heartbeat(rank1, rank_timeout_s=0.3, on_lost_driver=lost.append)
+    hb.start()
+    for _ in range(10):
+        _beat(job, 0)
+        time.sleep(0.03)
+    hb.join(timeout=10)  # rank 0 silent: the heartbeat gives up on it
+    assert lost and "rank 0's beat stopped" in lost[0]

@@ -263,10 +263,19 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
 # ---- the application around a stand-in engine (no model): failures a real engine rarely shows
 
 class _StandInEngine:
-    """Yields `tokens` one at a time, or raises what `fail` holds at the first step."""
+    """Yields `tokens` one at a time, or raises what `fail` holds at the first step; its loop
+    never dies (what the app watches for)."""
+
+    failed = None
 
     def __init__(self, fail=None, tokens=(7, 8, 9)):
         self.fail, self.tokens, self.ready = fail, list(tokens), False
+
+    def fatal_error(self):
+        return None
+
+    def stopped_by_itself(self):
+        return None
 
     def start(self):
         pass

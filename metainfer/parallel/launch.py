@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("metainfer.ranks")
 
-PREFIX = "metainfer/job/"
+# keys of this attempt of the job (torchrun restarts a failed job in the same store)
+PREFIX = f"metainfer/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 BEAT_S = 0.25
 RANK_TIMEOUT_S = 3.0  # a rank whose beat stops this long is lost (the issue asks for faults within 5 s)
 STEP_TIMEOUT_S = 120.0  # an engine loop that does not advance this long, while not compiling
@@ -109,7 +110,9 @@ class Job:
         for r in range(1, world):
             env = {**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r), "METAINFER_PARENT_PID": str(os.getpid()),
                    "PYTHONUNBUFFERED": "1"}
-            children.append(subprocess.Popen([sys.executable, "-m", "metainfer", *argv], env=env))
+            # -P: not the working directory first on sys.path (a checkout's kernels/ would shadow
+            # the `kernels` package transformers imports)
+            children.append(subprocess.Popen([sys.executable, "-P", "-m", "metainfer", *argv], env=env))
         return cls(0, world, 0, "127.0.0.1", store.port, store, children)
 
     def connect(self, timeout_s: float = START_TIMEOUT_S):
@@ -173,8 +176,11 @@ def exit_status(code: int | None) -> str:
 
 class Heartbeat(threading.Thread):
     """This rank's beat in the store every BEAT_S, with `progress()` (an int: work done so far)
-    and whether it is compiling; `check()` (None, or a failure in words) is reported once. On a
-    rank other than 0, a beat of rank 0 that stops for `rank_timeout_s` ends this process."""
+    and whether it is compiling; `check()` (None, a failure in words, or (failure, consequential))
+    is reported once: at once, or, for a failure that may follow another rank's (a collective
+    whose peer is gone), after `rank_timeout_s` and a beat, so that the watch names the peer
+    first. On a rank other than 0, a beat of rank 0 that stops for `rank_timeout_s` ends this
+    process (`on_lost_driver`, which rank 0's own heartbeat calls when the store is gone)."""
 
     def __init__(self, job: Job, progress: Callable[[], int] = lambda: 0, check: Callable[[], str | None] = lambda: None,
                  rank_timeout_s: float = RANK_TIMEOUT_S, on_lost_driver: Callable[[str], None] | None = None):
@@ -182,10 +188,10 @@ class Heartbeat(threading.Thread):
         self.job, self.progress, self.check = job, progress, check
         self.rank_timeout_s = rank_timeout_s
         self.on_lost_driver = on_lost_driver or _exit_lost_driver
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # (Thread has a _stop of its own)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         import torch
@@ -193,20 +199,24 @@ class Heartbeat(threading.Thread):
         store = self.job.connect()
         key = f"{PREFIX}beat/{self.job.rank}"
         driver = Staleness()
-        reported = False
-        while not self._stop.wait(BEAT_S):
+        reported, failed_at = False, None
+        while not self._halt.wait(BEAT_S):
             try:
                 store.set(f"{PREFIX}progress/{self.job.rank}",
                           f"{self.progress()} {int(torch.compiler.is_compiling())}")
                 store.add(key, 1)
-                if not reported and (why := self.check()) is not None:
-                    self.job.report(why, store)
-                    reported = True
+                found = None if reported else self.check()
+                if found is not None:
+                    why, consequential = found if isinstance(found, tuple) else (found, False)
+                    failed_at = failed_at or time.monotonic()
+                    if not consequential or time.monotonic() - failed_at > self.rank_timeout_s + BEAT_S:
+                        self.job.report(why, store)
+                        reported = True
                 if self.job.rank != 0 and driver.stale(store.add(f"{PREFIX}beat/0", 0), self.rank_timeout_s):
                     self.on_lost_driver(f"rank 0's beat stopped for {self.rank_timeout_s:g} s")
                     return
             except Exception as e:  # noqa: BLE001 - the store (held by rank 0 or torchrun) is gone
-                if self._stop.is_set():
+                if self._halt.is_set():
                     return
                 self.on_lost_driver(f"the job's store is gone ({type(e).__name__}: {e})")
                 return
@@ -252,24 +262,24 @@ class Watch(threading.Thread):
         self.poll_s = poll_s
         self.fault: Fault | None = None
         self._exiting = False
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # (Thread has a _stop of its own)
 
     def expect_exit(self) -> None:
         self._exiting = True
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         store = self.job.connect()
         started = time.monotonic()
         beats = {r: Staleness() for r in range(self.job.world)}
         loops = {r: Staleness() for r in range(self.job.world)}
-        while not self._stop.wait(self.poll_s):
+        while not self._halt.wait(self.poll_s):
             try:
                 fault = self._look(store, started, beats, loops)
             except Exception as e:  # noqa: BLE001 - the store is this process's own (or torchrun's): gone means torn down
-                if self._stop.is_set():
+                if self._halt.is_set():
                     return
                 fault = Fault(self.job.rank, "lost", f"lost the job's store ({type(e).__name__}: {e})")
             if fault is not None:
@@ -287,6 +297,8 @@ class Watch(threading.Thread):
                 return self._reported(store, only=r) or Fault(r, "exited", f"exited ({exit_status(code)})")
         if store.add(f"{PREFIX}errors", 0) > 0:
             return self._reported(store)
+        if self._exiting:  # draining: loops stop and ranks end their beats on purpose
+            return None
         stalled = {}
         for r in range(self.job.world):
             beat = beats[r]
@@ -304,15 +316,26 @@ class Watch(threading.Thread):
                 loop.since = now  # a compile is progress
             elif loop.stale(count, self.step_timeout_s, now):
                 stalled[r] = (count, loop.still_for(now))
+        # ranks in lockstep stall together: a verdict once every rank's loop stands still (a
+        # rank's loop is seen to stop up to a beat after another's), and never while a beat is
+        # late (a stopped process stops its loop too: its heartbeat names it)
+        late_beat = any(b.still_for(now) > 2 * BEAT_S + self.poll_s for b in beats.values())
+        if stalled and (len(stalled) < len(loops) or late_beat):
+            return None
         if stalled:
-            # ranks in lockstep stall together: the one behind (fewest loop iterations entered) is
-            # the one the others wait for
+            # one rank behind the others (fewer loop iterations entered) is the one they wait
+            # for; all at the same iteration, a rank stuck inside a step holds the others in its
+            # collectives, and which one cannot be told from here
             behind = min(count for count, _ in stalled.values())
-            r = min(k for k, (count, _) in stalled.items() if count == behind)
-            others = sorted(k for k in stalled if k != r)
-            return Fault(r, "stalled", f"stalled: its engine loop has not advanced for {stalled[r][1]:.0f} s (at "
-                                       f"iteration {behind}" + (f"; ranks {others} wait with it" if others else "")
-                                       + ")")
+            late = sorted(k for k, (count, _) in stalled.items() if count == behind)
+            r, others = late[0], sorted(k for k in stalled if k not in late)
+            seconds = max(s for _, s in stalled.values())
+            if len(late) > 1:
+                return Fault(r, "stalled", f"stalled with ranks {late[1:]}: their engine loops have not advanced for "
+                                           f"{seconds:.0f} s, all at iteration {behind} (a rank stuck inside a step "
+                                           "holds the others in its collectives)")
+            return Fault(r, "stalled", f"stalled: its engine loop has not advanced for {seconds:.0f} s (at iteration "
+                                       f"{behind}" + (f"; ranks {others} wait for it" if others else "") + ")")
         return None
 
     def _reported(self, store, only: int | None = None) -> Fault | None:

@@ -174,11 +174,12 @@ def _rebuilt(request_id, tokens, config):
 
 
 def encode(payload) -> tuple[bytes, int]:
-    """(new request states, cancelled ids) as bytes: each new request as (id, prompt ids packed
-    as int32, its request config), or whole where that would not rebuild it equal; returns the
-    bytes and how many states went whole."""
+    """(new request states, cancelled ids) as bytes, the states in their order (the ranks add
+    them to their schedulers in it): each as (id, prompt ids packed as int32, its request
+    config), or whole where that would not rebuild it equal; returns the bytes and how many
+    states went whole."""
     states, cancellations = payload
-    compact, whole = [], []
+    entries, whole = [], 0
     for state in states:
         config = state.get_request_config()
         try:
@@ -187,16 +188,17 @@ def encode(payload) -> tuple[bytes, int]:
             packed = None
         if packed is not None and \
                 _comparable(_rebuilt(state.request_id, list(state.initial_tokens), config)) == _comparable(state):
-            compact.append((state.request_id, packed.tobytes(), config))
+            entries.append((state.request_id, packed.tobytes(), config))
         else:
-            whole.append(state)
-    return pickle.dumps((compact, whole, list(cancellations)), protocol=5), len(whole)
+            entries.append(state)
+            whole += 1
+    return pickle.dumps((entries, list(cancellations)), protocol=5), whole
 
 
 def decode(data: bytes):
-    compact, whole, cancellations = pickle.loads(data)  # noqa: S301 - from the group's driver, this host
-    states = [_rebuilt(rid, array.array("i", packed).tolist(), config) for rid, packed, config in compact]
-    return states + whole, cancellations
+    entries, cancellations = pickle.loads(data)  # noqa: S301 - from the group's driver, this host
+    states = [_rebuilt(e[0], array.array("i", e[1]).tolist(), e[2]) if isinstance(e, tuple) else e for e in entries]
+    return states, cancellations
 
 
 # ---- installing it on an engine ------------------------------------------------------------

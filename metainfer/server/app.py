@@ -143,11 +143,11 @@ async def _watch_engine(engine: Engine, on_failed, poll_s: float = 0.25) -> None
     """Fail the server when the engine's loop dies (its requests fail with it) or someone failed
     it (a rank of the job); then, once the requests in flight are answered, `on_failed()`."""
     while engine.failed is None:
-        why = engine.fatal_error()
+        why = engine.fatal_error() or engine.stopped_by_itself()
         if why is not None:
-            log.error("the engine's loop died: %s", why)
+            log.error("the engine's loop ended: %s", why)
             if await engine.diagnosed(None) is None:  # no other rank named at fault
-                engine.fail(f"rank 0 raised in its engine: {why}")
+                engine.fail(f"rank 0's engine: {why}")
             break
         await asyncio.sleep(poll_s)
     deadline = time.monotonic() + 2.0
@@ -242,8 +242,8 @@ def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api
     metrics = Metrics()
     engine = Engine(opt, max_running=max_running, max_queue=max_queue, request_timeout=request_timeout,
                     metrics=metrics, cb_config=cb_config)
-    if rank0 is not None:
-        engine.diagnose_s = 2.0  # the watch names a rank within a poll or two of its fault
+    if rank0 is not None:  # the watch names a rank at fault within its beat timeout (at once for an exit)
+        engine.diagnose_s = rank0.watch.rank_timeout_s + 1.0
     parallel = ranks.parallel_of(opt, engine, rank0.job if rank0 is not None else None)
     model = dataclasses.replace(model, parallel=parallel.as_dict())
     metrics.show_parallel(parallel)

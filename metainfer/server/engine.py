@@ -147,6 +147,13 @@ class Engine:
             await asyncio.sleep(0.02)
         return self.failed or error
 
+    def stopped_by_itself(self) -> str | None:
+        """Why the engine's loop ended though this server did not stop it (a rank of its group
+        hard-stopped it), or None."""
+        if self.started and not self.manager.is_running():  # stop() clears `started` first
+            return "its loop ended without being stopped (a rank of its group ended it)"
+        return None
+
     def fail(self, why: str) -> None:
         """On the event loop: the engine cannot serve any more. Every request in flight ends now
         with ServerFailed, new ones get it at admission, /ready says 503."""

@@ -84,7 +84,8 @@ class Rank0:
         self.watch.start()
 
     def beat(self, progress, check) -> None:
-        self.heartbeat = launch.Heartbeat(self.job, progress, check)
+        self.heartbeat = launch.Heartbeat(self.job, progress, check, self.watch.rank_timeout_s,
+                                          on_lost_driver=lambda why: self._on_fault(launch.Fault(0, "lost", why)))
         self.heartbeat.start()
 
     def serving(self, engine, loop) -> None:
@@ -107,7 +108,10 @@ class Rank0:
         if loop is None:
             end_job(self.job, str(fault), started=False)
         log.error("failing every request and shutting down: %s", fault)
-        loop.call_soon_threadsafe(engine.fail, str(fault))
+        try:
+            loop.call_soon_threadsafe(engine.fail, str(fault))
+        except RuntimeError:  # the loop has closed: the server stopped; finish() ends the job
+            pass
 
     def expect_exit(self) -> None:
         self.watch.expect_exit()
@@ -193,7 +197,8 @@ def serve(*, world: int, argv: list[str], load, target, lowering: str | None, ex
                      max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer)
     try:
         return app.run(opt, info, cb_config=cb_config, rank0=rank0, **run_options)
-    except Exception as e:  # noqa: BLE001 - the engine or the app could not be built
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the engine or the app could not be built, or uvicorn
+        # could not start (it exits: a port in use, a failed start-up)
         traceback.print_exc()
         end_job(job, f"rank 0: {type(e).__name__}: {e}", started=False)
         return EXIT_FAILED  # (end_job does not return)
@@ -233,10 +238,26 @@ class Progress:
         exchange = getattr(self.manager, "exchange", None)
         return exchange.stats.status_calls if exchange is not None else 0
 
-    def check(self) -> str | None:
+    def check(self) -> tuple[str, bool] | None:
+        """(the engine's fatal error in words, whether it is a collective's: a failure that may
+        only follow another rank's), or None."""
         status = getattr(self.manager, "background_thread_status", None)
         error = None if status is None else status.fatal_error
-        return None if error is None else f"raised in its engine: {type(error).__name__}: {error}"
+        if error is None:
+            return None
+        return f"raised in its engine: {type(error).__name__}: {error}", collective_error(error)
+
+
+def collective_error(error: BaseException) -> bool:
+    """Whether `error` came from a collective (a peer gone, late or out of step): torch's
+    distributed errors, gloo's and NCCL's, metainfer's shared-memory path."""
+    import torch.distributed as dist
+
+    from metainfer.kernels.shm_collectives import ShmCollectiveError
+
+    text = str(error)
+    return isinstance(error, (ShmCollectiveError, dist.DistError)) or any(
+        k in text for k in ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer"))
 
 
 # ---- injected faults (tests) -----------------------------------------------------------------

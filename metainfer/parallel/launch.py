@@ -294,7 +294,7 @@ class Watch(threading.Thread):
             code = p.poll()
             if code is not None and not (self._exiting and code == 0):
                 time.sleep(0.2)  # a rank that raised reports before it exits: prefer its own words
-                return self._reported(store, only=r) or Fault(r, "exited", f"exited ({exit_status(code)})")
+                return self._reported(store, only=r) or Fault(r, "exited", f"exited, {exit_status(code)}")
         if store.add(f"{PREFIX}errors", 0) > 0:
             return self._reported(store)
         if self._exiting:  # draining: loops stop and ranks end their beats on purpose

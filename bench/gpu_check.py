@@ -197,6 +197,24 @@ def _fp8_gemm(m: int, n: int = 7168, k: int = 7168):
     return build
 
 
+def _int4_gemm(m: int, n: int = 4096, k: int = 4096, group: int = 128):
+    """GPTQ/AWQ-style int4 (group 128, zero points) against dequantise + cuBLAS matmul, fp16."""
+    def build(dev, f):
+        dt = torch.float16
+        M, N, Kd = _n(m, f), _n(n, f, group) // group * group, _n(k, f, group) // group * group
+        x = torch.randn(M, Kd, device=dev, dtype=dt)
+        q, s, z = K.int4_gemm.quantize_weight(torch.randn(N, Kd, device=dev) / Kd ** 0.5, group, symmetric=False)
+        cfg = config_for("int4_gemm", x.device)
+
+        def dequant_matmul():
+            return x @ K.int4_gemm.dequantize(q, s, z, group, dt).t()
+
+        return {"ours": lambda: K.int4_gemm.launch(x, q, s, z, None, None, group, config=cfg),
+                "reference": lambda: K.int4_gemm.reference(x, q, s, z, None, None, group),
+                "torch": dequant_matmul, "dtype": dt}
+    return build
+
+
 def _moe(dev, f):
     dt = torch.bfloat16
     T, E, top, H, I = _n(2048, f, 4), max(8, _n(256, f)), 8, _n(7168, f, 64), _n(2048, f, 64)
@@ -532,6 +550,9 @@ CHECKS = [
     Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16)),
     Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),
     Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
+    Check("int4_gemm", "W4A16 decode M=1, 4096^2, group 128 (GEMV)", _int4_gemm(1)),
+    Check("int4_gemm", "W4A16 decode M=16, 4096^2, group 128 (tiles)", _int4_gemm(16)),
+    Check("int4_gemm", "W4A16 prefill M=4096, 4096^2, group 128", _int4_gemm(4096)),
     Check("moe", "256 experts top-8, 2048 tokens", _moe),
     Check("moe", "routing sort at ALIGN_MAX_PAIRS: one program vs torch ops", _moe_align),
     Check("moe", "decode at GEMV_MAX_PAIRS, DeepSeek experts: matrix-vector vs sorted tiles", _moe_decode),

@@ -26,7 +26,7 @@ import torch
 # could import triton.language.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from . import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, sparse_attention, glu, token_ids  # noqa: E402  (after the switch above)
+from . import attention, fp8_gemm, int4_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, sparse_attention, glu, token_ids  # noqa: E402  (after the switch above)
 from ._common import KernelInputError  # noqa: E402
 
 _override: list[bool] = []

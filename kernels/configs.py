@@ -92,7 +92,7 @@ _POINTWISE = {
 
 # Kernels with one row per device class, from each kernel file's DEFAULT_CONFIGS.
 _TILED = {name: importlib.import_module(f"metainfer.kernels.{name}").DEFAULT_CONFIGS
-          for name in ("fp8_gemm", "moe", "sparse_attention", "mla_decode")}
+          for name in ("fp8_gemm", "int4_gemm", "moe", "sparse_attention", "mla_decode")}
 
 KERNELS = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", *_TILED)
 

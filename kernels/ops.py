@@ -24,6 +24,7 @@ from torch import Tensor
 from metainfer import kernels
 from metainfer.kernels import attention as _attention
 from metainfer.kernels import fp8_gemm as _fp8_gemm
+from metainfer.kernels import int4_gemm as _int4_gemm
 from metainfer.kernels import mla_decode as _mla_decode
 from metainfer.kernels import paged_attention as _paged_attention
 from metainfer.kernels import moe as _moe
@@ -64,7 +65,7 @@ def _fake(op):
     return torch.library.register_fake(op._qualified_op_name, lib=_LIB)
 
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "moe_experts",
+__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "int4_linear", "moe_experts",
            "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
@@ -176,6 +177,24 @@ def _rows_viewable(x: Tensor) -> bool:
 @_fake(fp8_linear)
 def _(x, weight, scale_inv, bias, block_n, block_k, act_quant):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_op("int4_linear")
+def int4_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], perm: Optional[Tensor],
+                bias: Optional[Tensor], group: int) -> Tensor:
+    """x @ dequant(qweight)^T (+ bias) from packed 4-bit weights with a scale (and a zero point,
+    else 8) per row and group of K, x's columns read through `perm` (act-order) when given: see
+    metainfer.kernels.int4_gemm."""
+    if not x.is_contiguous() and (x.dim() > 1 and x.stride(-1) != 1 or not _rows_viewable(x)):
+        x = x.contiguous()
+    if kernels.use_triton(x):
+        return _int4_gemm.launch(x, qweight, scales, zeros, perm, bias, group)
+    return _int4_gemm.cpu_forward(x, qweight, scales, zeros, perm, bias, group).contiguous()
+
+
+@_fake(int4_linear)
+def _(x, qweight, scales, zeros, perm, bias, group):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 @_op("moe_experts")

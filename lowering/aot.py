@@ -39,8 +39,8 @@ ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 
 # 32-bit registers one block may use on all three (the same table): 64 K
 REGISTERS_PER_BLOCK = 64 * 1024
 
-KERNEL_MODULES = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", "fp8_gemm", "moe",
-                  "sparse_attention", "mla_decode")
+KERNEL_MODULES = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", "fp8_gemm", "int4_gemm",
+                  "moe", "sparse_attention", "mla_decode")
 # kernels shared by several launchers (the merge of key splits), launched from their own module
 SHARED_MODULES = ("_flash",)
 
@@ -204,7 +204,7 @@ def _key(launch: Launch, arch: str, specialised) -> str:
 def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
     import torch
 
-    from metainfer.kernels import attention, fp8_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
+    from metainfer.kernels import attention, fp8_gemm, int4_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
         sparse_attention, glu, token_ids
     from metainfer.kernels.configs import config_for_arch
 
@@ -247,6 +247,17 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
             fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3),
                             torch.rand(n // 128, -(-k // block_k), generator=g), randn(n) if bias else None,
                             128, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
+        return call
+
+    def int4(m, group=128, zeros=True, act_order=False, bias=False, k=1024):
+        def call(arch):
+            n = 512
+            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+            scales = torch.rand(n, k // group, generator=g).to(torch.float16)
+            z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8) if zeros else None
+            perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+            int4_gemm.launch(randn(m, k, dtype=torch.float16), qweight, scales, z, perm, randn(n) if bias else None,
+                             group, config=config_for_arch("int4_gemm", arch))
         return call
 
     def experts(fp8, T):  # T x K pairs above GEMV_MAX_PAIRS: the sort and the tile kernels; below: decode's two
@@ -317,6 +328,10 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("fp8_gemm", "prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
         ("fp8_gemm", "m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
         ("fp8_gemm", "m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
+        ("int4_gemm", "decode m=1, fp16, group 128, zero points (GEMV)", int4(1)),
+        ("int4_gemm", "decode m=8, fp16, act-order, symmetric (GEMV)", int4(8, zeros=False, act_order=True)),
+        ("int4_gemm", "prefill m=512, fp16, group 128, zero points, bias", int4(512, bias=True)),
+        ("int4_gemm", "prefill m=512, fp16, group 32, act-order", int4(512, group=32, act_order=True)),
         ("moe", "bf16 experts", experts(False, 64)),
         ("moe", "fp8 experts", experts(True, 64)),
         ("moe", "bf16 experts, decode (matrix-vector)", experts(False, 4)),

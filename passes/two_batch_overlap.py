@@ -61,7 +61,7 @@ _SAME_LAYOUT = {"clone", "alias", "contiguous", "_to_copy", "convert_element_typ
                 "full_like", "ones_like", "zeros_like", "empty_like"}
 _REDUCE = {"sum", "mean", "amax", "amin", "prod", "any", "all", "var", "var_mean", "argmax", "argmin", "logsumexp"}
 _ALONG = {"_softmax", "softmax", "_log_softmax", "log_softmax", "cumsum", "topk", "sort"}  # one dim, shape kept
-_ROWWISE = {"rmsnorm", "add_rmsnorm", "swiglu", "geglu", "fp8_linear"}  # metainfer ops on rows: any leading dim
+_ROWWISE = {"rmsnorm", "add_rmsnorm", "swiglu", "geglu", "fp8_linear", "int4_linear"}  # metainfer ops on rows: any leading dim
 _BATCH_FIRST = {  # metainfer ops whose listed tensor arguments are batch-first (dim 0), output too
     "attention": (0, 1, 2), "sparse_attention": (0, 1, 2, 3), "mla_decode": (0, 1, 2, 3, 4), "moe_experts": (0, 1, 2),
 }

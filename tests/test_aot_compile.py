@@ -26,10 +26,10 @@ def test_every_kernel_compiles_for_every_gpu_arch(tmp_path):
     kernels = {r["kernel"] for r in results if r["status"] == "ok"}
     # every launched kernel: moe's four (routing sort, two GEMMs, pair sum) and its decode pair
     # (two matrix-vector kernels), the merge of key splits, fp8_gemm's split-K sum, the dense redo of
-    # sparse attention's unselected rows
-    assert len(kernels) == 18, sorted(kernels)
+    # sparse attention's unselected rows, int4_gemm's tiles and its matrix-vector decode kernel
+    assert len(kernels) == 20, sorted(kernels)
     assert {"_flash._combine_splits", "fp8_gemm._sum_splits", "moe._moe_align", "moe._moe_sum",
-            "moe._moe_gemv_gate_up", "moe._moe_gemv_down"} <= kernels
+            "moe._moe_gemv_gate_up", "moe._moe_gemv_down", "int4_gemm._int4_gemm", "int4_gemm._int4_gemv"} <= kernels
     assert compiled == {(k, a) for k in kernels for a in aot.ARCHS}
     # the decode paths: key splits of attention and MLA (dense and top-k), small-M split-K GEMMs
     cases = {(r["kernel"], r["case"]) for r in results if r["status"] == "ok"}

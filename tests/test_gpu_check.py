@@ -14,6 +14,6 @@ def test_the_gpu_script_dry_run_checks_every_kernel():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     kernels = {line.split()[0] for line in lines if " ok " in line}
-    assert kernels == {"attention", "paged_attention", "rmsnorm", "glu", "rope", "fp8_gemm", "moe",
+    assert kernels == {"attention", "paged_attention", "rmsnorm", "glu", "rope", "fp8_gemm", "int4_gemm", "moe",
                        "sparse_attention", "mla_decode", "token_ids", "dispatch", "autotune", "collectives", "end_to_end"}
-    assert "27 checks, 0 failed" in proc.stdout
+    assert "30 checks, 0 failed" in proc.stdout

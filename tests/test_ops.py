@@ -28,6 +28,12 @@ def cases():
     ]
 
 
+def int4_weights(n: int, k: int, group: int, symmetric: bool):
+    from metainfer.kernels.int4_gemm import quantize_weight
+
+    return quantize_weight(torch.randn(n, k), group, symmetric=symmetric)
+
+
 def deepseek_cases():
     """Inputs drawn from a fixed seed (cases are built at collection, whatever ran before), weights
     scaled so outputs are O(1) and the fp32 comparison is about rounding, not magnitude."""
@@ -45,6 +51,9 @@ def deepseek_cases():
     return [
         (m.fp8_linear.default, (x, wq, ws, torch.randn(40), 16, 32, False)),
         (m.fp8_linear.default, (x.bfloat16(), wq, ws, None, 16, 32, True)),
+        (m.int4_linear.default, (x, *int4_weights(40, 48, 16, symmetric=False), None, torch.randn(40), 16)),
+        (m.int4_linear.default, (x.bfloat16(), *int4_weights(40, 48, 16, symmetric=True), torch.randperm(48), None,
+                                 16)),
         (m.moe_experts.default, (torch.randn(6, H), ids, torch.rand(6, 2), gate_up[:, :I], gate_up[:, I:],
                                  torch.randn(E, H, I) * I ** -0.5, None, None, None, 128, 128)),
         (m.sparse_attention.default, (q, k, v, idx, None, 0.3, True, 4, False, float("-inf"))),

@@ -313,6 +313,9 @@ def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None
     if ns == "metainfer" and name == "fp8_linear":
         x, w, act_quant = a[0], a[1], a[6]
         return 2 * numel(out[0]) * size_hint(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
+    if ns == "metainfer" and name == "int4_linear":  # K = 8 values a packed word; its bytes: the packed ones
+        x, qweight = a[0], a[1]
+        return 2 * numel(out[0]) * 8 * size_hint(qweight.shape[1]), _peak_key(x.dtype)
     if ns == "metainfer" and name in ("attention", "sparse_attention"):
         q, k, v = a[0], a[1], a[2]
         B, H, Sq, D = (size_hint(s) for s in q.shape)

@@ -65,8 +65,8 @@ def _fake(op):
     return torch.library.register_fake(op._qualified_op_name, lib=_LIB)
 
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "int4_linear", "moe_experts",
-           "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
+__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "int4_linear",
+           "int4_dequantize", "moe_experts", "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
 @_op("attention")
@@ -195,6 +195,19 @@ def int4_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tens
 @_fake(int4_linear)
 def _(x, qweight, scales, zeros, perm, bias, group):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@_op("int4_dequantize")
+def int4_dequantize(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], group: int, dtype: torch.dtype) -> Tensor:
+    """The real weight (N, K) in `dtype` of a packed 4-bit weight (metainfer.kernels.int4_gemm's
+    layout), in plain torch on any device: what a quantized linear computes before F.linear
+    (models/quantized.py). The int4_gemm pass folds the pair into metainfer::int4_linear."""
+    return _int4_gemm.dequantize(qweight, scales, zeros, group, dtype)
+
+
+@_fake(int4_dequantize)
+def _(qweight, scales, zeros, group, dtype):
+    return qweight.new_empty((qweight.shape[0], qweight.shape[1] * _int4_gemm.PACK), dtype=dtype)
 
 
 @_op("moe_experts")

@@ -13,7 +13,7 @@ from .base import Pass, get_pass, pass_names
 # fuse_attention takes the rest; sparse_mla and mla_decode rewrite fused attention ops; the
 # pointwise/norm fusions come next; the communication passes last, on the final compute:
 # sequence_parallel takes the all-reduces it pays for, select_collectives picks algorithms for the rest.
-DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm",
+DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "int4_gemm",
                  "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu", "sequence_parallel", "two_batch_overlap",
                  "pipeline_collectives", "select_collectives", "overlap_collectives")
 

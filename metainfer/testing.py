@@ -353,3 +353,56 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout_s)
+
+
+# ---- int4 checkpoint formats, written as each format's own spec lays them out (fixtures) ---------
+
+def _pack_along_last(values: torch.Tensor) -> torch.Tensor:
+    """(R, C) integers in [0, 15] -> (R, C/8) int32, value j at bits 4(j % 8) of word j // 8 (every
+    format's word; they differ in which dim is packed and in AWQ's column order)."""
+    R, C = values.shape
+    v = values.to(torch.int64).view(R, C // 8, 8)
+    words = sum(v[..., i] << (4 * i) for i in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def int4_as_compressed_tensors(q, scales, zeros=None, g_idx=None) -> dict:
+    """compressed-tensors pack-quantized tensors of one linear from unsigned values q (N, K) in
+    [0, 15] (the signed int4 value + 8), scales (N, G), zeros (N, G) unsigned or None."""
+    N, K = q.shape
+    out = {"weight_packed": _pack_along_last(q), "weight_scale": scales, "weight_shape": torch.tensor([N, K])}
+    if zeros is not None:  # packed along N (packed_dim=0), N padded to whole words
+        zt = zeros.t().to(torch.int64)
+        pad = -N % 8
+        zt = torch.nn.functional.pad(zt, (0, pad), value=8)
+        out["weight_zero_point"] = _pack_along_last(zt).t().contiguous()
+    if g_idx is not None:
+        out["weight_g_idx"] = g_idx.to(torch.int32)
+    return out
+
+
+def int4_as_gptq(q, scales, zeros=None, g_idx=None, v1: bool = True) -> dict:
+    """GPTQ tensors of one linear: qweight (K/8, N) packed along K, qzeros (G, N/8) packed along N
+    (v1: each zero point minus one, wrapped in 4 bits), scales (G, N) float16, g_idx (K,)."""
+    N, K = q.shape
+    z = zeros.to(torch.int64) if zeros is not None else torch.full(scales.shape, 8, dtype=torch.int64)
+    stored = (z - 1) % 16 if v1 else z
+    if g_idx is None:
+        g_idx = torch.arange(K) // (K // scales.shape[1])
+    return {"qweight": _pack_along_last(q).t().contiguous(), "qzeros": _pack_along_last(stored.t().contiguous()),
+            "scales": scales.t().contiguous().to(torch.float16), "g_idx": g_idx.to(torch.int32)}
+
+
+def int4_as_awq(q, scales, zeros=None) -> dict:
+    """AWQ GEMM tensors of one linear: qweight (K, N/8) and qzeros (G, N/8) packed along N, nibble i
+    of word c holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]; scales (G, N) float16."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def pack_awq(m):  # (R, C) -> (R, C/8)
+        R, C = m.shape
+        cols = torch.tensor([8 * c + order[i] for c in range(C // 8) for i in range(8)])
+        return _pack_along_last(m[:, cols])
+
+    z = zeros if zeros is not None else torch.full(scales.shape, 8, dtype=torch.uint8)
+    return {"qweight": pack_awq(q.t().contiguous()), "qzeros": pack_awq(z.t().contiguous()),
+            "scales": scales.t().contiguous().to(torch.float16)}

@@ -81,3 +81,77 @@ def quantize_linears(model: nn.Module, group: int, symmetric: bool = True, skip=
         setattr(model.get_submodule(parent) if parent else model, attr,
                 Int4Linear.from_linear(linear, group, symmetric=symmetric))
     return len(targets)
+
+
+# ---- checkpoint formats -> the packed layout Int4Linear holds ------------------------------------
+# Each takes one linear's tensors as the format stores them and returns (qweight (N, K/8) int32,
+# scales (N, G), zeros (N, G) uint8 or None, perm (K,) int32 or None). The formats:
+# - compressed-tensors "pack-quantized" (compressed_tensors/compressors/pack_quantized: pack_to_int32):
+#   weight_packed (N, K/8) int32, value k at bits 4(k % 8) of word k // 8, signed int4 stored + 8;
+#   weight_scale (N, G); weight_zero_point, if asymmetric, the signed zero points + 8 packed the same
+#   way along N: (ceil(N/8), G); weight_g_idx (K,) for act-order;
+# - GPTQ (AutoGPTQ / GPTQModel): qweight (K/8, N) int32 packed along K the same way; qzeros (G, N/8)
+#   packed along N; scales (G, N); g_idx (K,); checkpoint_format "gptq" (v1) stores each zero point
+#   minus one, "gptq_v2" the zero point;
+# - AWQ GEMM (AutoAWQ's WQLinear_GEMM): qweight (K, N/8) and qzeros (G, N/8) packed along N with
+#   nibble i of word c holding column 8c + AWQ_ORDER[i]; scales (G, N); no g_idx.
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 packed along dim 1 -> (R, 8C) uint8, value j at bits 4(j % 8) of word j // 8."""
+    return int4_gemm.unpack(words)
+
+
+def _symmetric_or(zeros: torch.Tensor) -> torch.Tensor | None:
+    """None where every zero point is the symmetric 8 (the kernel then reads no zero points)."""
+    return None if bool((zeros == int4_gemm.SYMMETRIC_ZERO).all()) else zeros
+
+
+def _with_act_order(q: torch.Tensor, scales, zeros, g_idx, group: int):
+    """(N, K) values in the checkpoint's column order -> the layout, put in group order where the
+    checkpoint's g_idx is not the plain k // group."""
+    K = q.shape[1]
+    plain = torch.arange(K, device=q.device) // group
+    qweight = int4_gemm.pack(q)
+    if g_idx is None or torch.equal(g_idx.to(torch.int64), plain):
+        return qweight, scales, zeros, None
+    return int4_gemm.act_order(qweight, scales, zeros, g_idx, group)
+
+
+def from_compressed_tensors(weight_packed, weight_scale, weight_zero_point=None, weight_shape=None, g_idx=None,
+                            group: int = 128):
+    N, K = (int(v) for v in weight_shape) if weight_shape is not None else (weight_packed.shape[0],
+                                                                            weight_packed.shape[1] * 8)
+    if K % int4_gemm.PACK:
+        raise ValueError(f"a weight of {K} inputs does not fill its int32 words (K must be a multiple of 8)")
+    q = _unpack_rows(weight_packed)[:, :K]
+    zeros = None
+    if weight_zero_point is not None:
+        zeros = _unpack_rows(weight_zero_point.t().contiguous())[:, :N].t().contiguous()  # packed along N
+    return _with_act_order(q, weight_scale, zeros, g_idx, group)
+
+
+def from_gptq(qweight, qzeros, scales, g_idx=None, group: int = 128, zero_offset: int = 1):
+    """`zero_offset`: 1 for checkpoint_format "gptq" (zero points stored minus one), 0 for "gptq_v2"."""
+    q = _unpack_rows(qweight.t().contiguous())  # (N, K): packed along K, N rows after the transpose
+    zeros = (_unpack_rows(qzeros).to(torch.int16) + zero_offset).t().contiguous()  # (N, G); v1's 15 + 1 = 16
+    if int(zeros.max()) > 255:
+        raise ValueError("GPTQ zero points past 255")
+    zeros = _symmetric_or(zeros.to(torch.uint8))
+    return _with_act_order(q, scales.t().contiguous(), zeros, g_idx, group)
+
+
+def _unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """(R, C) AWQ words -> (R, 8C): nibble i of word c is column 8c + AWQ_ORDER[i]."""
+    nibbles = _unpack_rows(words).view(words.shape[0], words.shape[1], 8)
+    out = torch.empty_like(nibbles)
+    out[..., list(AWQ_ORDER)] = nibbles
+    return out.view(words.shape[0], -1)
+
+
+def from_awq(qweight, qzeros, scales, group: int = 128):
+    q = _unpack_awq(qweight).t().contiguous()  # (K, N) -> (N, K)
+    zeros = _symmetric_or(_unpack_awq(qzeros).t().contiguous())
+    return _with_act_order(q, scales.t().contiguous(), zeros, None, group)

@@ -197,6 +197,23 @@ def _fp8_gemm(m: int, n: int = 7168, k: int = 7168):
     return build
 
 
+def _fp8_channel_gemm(m: int, act_quant: bool, n: int = 4096, k: int = 4096):
+    """A compressed-tensors FP8-Dynamic linear: one scale per output row (block_n 1, block_k >= K),
+    activations per token (W8A8) or kept (W8A16), against dequantise + cuBLAS matmul."""
+    def build(dev, f):
+        dt = torch.bfloat16
+        M, N, Kd = _n(m, f), _n(n, f, 128) // 128 * 128, _n(k, f, 128) // 128 * 128
+        bn, bk = K.fp8_gemm.channel_blocks(N, Kd, "channel")
+        x = torch.randn(M, Kd, device=dev, dtype=dt)
+        w = (torch.randn(N, Kd, device=dev) / 8).to(torch.float8_e4m3fn)
+        s = torch.rand(N, 1, device=dev) + 0.5
+        cfg = config_for("fp8_gemm", x.device)
+        return {"ours": lambda: K.fp8_gemm.launch(x, w, s, None, bn, bk, act_quant, config=cfg),
+                "reference": lambda: K.fp8_gemm.reference(x, w, s, None, bn, bk, act_quant),
+                "torch": lambda: x @ (w.float() * s).to(dt).t(), "dtype": dt}
+    return build
+
+
 def _int4_gemm(m: int, n: int = 4096, k: int = 4096, group: int = 128):
     """GPTQ/AWQ-style int4 (group 128, zero points) against dequantise + cuBLAS matmul, fp16."""
     def build(dev, f):
@@ -550,6 +567,8 @@ CHECKS = [
     Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16)),
     Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),
     Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
+    Check("fp8_gemm", "W8A16 per-channel decode M=8, 4096^2 split-K", _fp8_channel_gemm(8, False)),
+    Check("fp8_gemm", "W8A8 per-channel, per-token prefill M=2048, 4096^2", _fp8_channel_gemm(2048, True)),
     Check("int4_gemm", "W4A16 decode M=1, 4096^2, group 128 (GEMV)", _int4_gemm(1)),
     Check("int4_gemm", "W4A16 decode M=16, 4096^2, group 128 (tiles)", _int4_gemm(16)),
     Check("int4_gemm", "W4A16 prefill M=4096, 4096^2, group 128", _int4_gemm(4096)),

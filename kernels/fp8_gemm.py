@@ -2,7 +2,9 @@
 
 Storage: `w` (N, K) torch.float8_e4m3fn and `scale_inv` (ceil(N/block_n), ceil(K/block_k))
 float32, the real weight being `w[n, k].float() * scale_inv[n // block_n, k // block_k]`.
-DeepSeek-V3 uses 128x128 blocks; block_n / block_k are arguments (powers of two >= 16).
+DeepSeek-V3 uses 128x128 blocks; block_n / block_k are arguments, powers of two (block_k >= 16).
+The same map holds per-channel scales (compressed-tensors' "channel": block_n 1, block_k >= K,
+scales (N, 1)) and one per-tensor scale (block_n >= N, block_k >= K): `channel_blocks`.
 `x` is (..., K) in float32 / bfloat16 / float16; the output is (..., N) in x's dtype, and
 `bias` (N,) is added in float32 before the one final rounding.
 
@@ -10,11 +12,13 @@ Two modes:
 - W8A16 (`act_quant=False`): x stays in its dtype. The kernel loads FP8 weight tiles and
   converts them to x's dtype in registers, which is exact (every e4m3 value is a bf16, fp16
   and fp32 value), so `dot(x_tile, w_tile)` is accumulated in float32 and multiplied by the
-  tile's one block scale (BLOCK_N divides block_n and BLOCK_K divides block_k). The weight
+  tile's scales (BLOCK_K divides block_k: one scale group per K tile; each column its scale row,
+  the same row for a whole tile of a 128-row block). The weight
   is never dequantised to a copy in memory.
 - W8A8 (`act_quant=True`): the launcher first quantises x with `quantize_activations(x,
   block_k)` (DeepSeek's act_quant: per row and per group of block_k elements, scale =
-  amax/448, 0 -> 1); per K tile the kernel computes dot(x_fp8, w_fp8) in float32 (a real
+  amax/448, 0 -> 1; with block_k >= K that is per-token dynamic quantisation, compressed-tensors'
+  FP8-Dynamic); per K tile the kernel computes dot(x_fp8, w_fp8) in float32 (a real
   FP8 tensor-core dot on sm_89+; an exact fp16 dot elsewhere) times x_scale[row, g] *
   scale_inv[n // block_n, g].
 Decode shapes (a few rows of x): the config's SMALL_M rows give small BLOCK_M tiles, and when
@@ -142,8 +146,9 @@ def _fp8_gemm_fwd(
     cols64 = offs_n.to(tl.int64)
     x_rows = X + rows64[:, None] * stride_xm
     w_cols = W + cols64[None, :] * stride_wn
-    # BLOCK_N divides block_n: the whole tile lies in one scale row
-    ws_row = WS + ((pid_n * BLOCK_N) // block_n).to(tl.int64) * stride_wsn
+    # each column's scale row: one for a whole tile of a block-scaled weight, one per column of a
+    # per-channel weight (block_n 1)
+    ws_cols = WS + (offs_n // block_n).to(tl.int64) * stride_wsn
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # this program's share of K (all of it without split-K); k_per_split is a multiple of
@@ -158,7 +163,7 @@ def _fp8_gemm_fwd(
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # 64-bit: a K-major weight (stride_wk = N) of a 256k-vocab head passes 2^31 elements
         b = tl.load(w_cols + ks.to(tl.int64)[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        w_scale = tl.load(ws_row + g * stride_wsk)
+        w_scale = tl.load(ws_cols + g * stride_wsk, mask=col_ok, other=0.0)[None, :]
         if ACT_QUANT:
             if FP8_DOT:
                 d = tl.dot(a, b)
@@ -205,8 +210,27 @@ def _sum_splits(PARTIAL, BIAS, Y, N, numel, splits, stride_ym, HAS_BIAS: tl.cons
 
 
 
-def _is_block(b) -> bool:
-    return isinstance(b, int) and not isinstance(b, bool) and b >= 16 and b & (b - 1) == 0
+def _is_block(b, least: int = 16) -> bool:
+    return isinstance(b, int) and not isinstance(b, bool) and b >= least and b & (b - 1) == 0
+
+
+def check_blocks(block_n, block_k) -> None:
+    # block_n 1 is a per-channel scale, block_n >= N and block_k >= K one scale for the weight
+    if not _is_block(block_n, 1):
+        fail(NAME, f"block_n must be a power of two, got {block_n!r}")
+    if not _is_block(block_k):
+        fail(NAME, f"block_k must be a power of two >= 16, got {block_k!r}")
+
+
+def channel_blocks(N: int, K: int, per: str) -> tuple[int, int]:
+    """(block_n, block_k) that express a per-channel ("channel": scales (N, 1)) or per-tensor
+    ("tensor": scales (1, 1)) FP8 weight as this kernel's block map."""
+    whole_k = max(16, next_pow2(K))
+    if per == "channel":
+        return 1, whole_k
+    if per == "tensor":
+        return next_pow2(max(N, 1)), whole_k
+    raise ValueError(f"per must be 'channel' or 'tensor', got {per!r}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -215,9 +239,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant) -> None:
     """Raise KernelInputError unless the inputs are ones every implementation supports."""
-    for name, b in (("block_n", block_n), ("block_k", block_k)):
-        if not _is_block(b):
-            fail(NAME, f"{name} must be a power of two >= 16, got {b!r}")
+    check_blocks(block_n, block_k)
     check_float(NAME, "x", x)
     if not isinstance(w, torch.Tensor):
         fail(NAME, f"w must be a tensor, got {type(w).__name__}")
@@ -268,9 +290,10 @@ def _clamp(config: dict, M: int, N: int, K: int, block_n: int, block_k: int) -> 
         if not _is_block(config.get(key)):
             fail(NAME, f"config[{key!r}] must be a power of two >= 16 (tl.dot's minimum), got {config.get(key)!r}")
     small = lambda n: max(16, next_pow2(n))  # noqa: E731
-    # all powers of two, so min() of them divides block_n / block_k
+    # all powers of two, so min() of them divides block_k (a tile lies in one scale group; along N
+    # each column reads its own scale row)
     return {**config, "BLOCK_M": min(config["BLOCK_M"], small(M)),
-            "BLOCK_N": min(config["BLOCK_N"], block_n, small(N)),
+            "BLOCK_N": min(config["BLOCK_N"], small(N)),
             "BLOCK_K": min(config["BLOCK_K"], block_k, small(K))}
 
 
@@ -324,9 +347,11 @@ class _Launch:
         # scale-group boundaries (block_k), a multiple of every candidate's BLOCK_K
         tiles = cdiv(M, bm) * cdiv(N, bn)
         splits, k_per_split = 1, K
-        if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
-            splits, k_per_split = split_count(row, tiles, K, block_k)
         candidates = tune_candidates(row, clamp) if _common.autotune_enabled(device) else []
+        if M <= row.get("SPLIT_MAX_M", 0) or "SPLITS" in row:
+            # one scale group over all of K (a per-channel weight): any whole tiles will do
+            align = block_k if block_k < K else max([bk] + [c["BLOCK_K"] for c in candidates])
+            splits, k_per_split = split_count(row, tiles, K, align)
         # an FP8 tl.dot needs a K tile of FP8_DOT_MIN_K on sm_89/sm_90 (the interpreter does not
         # enforce it): a smaller tile (a small K or scale block) dots the tiles as fp16, which holds
         # every e4m3 value exactly, so the result is the same
@@ -405,6 +430,23 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     return out
 
 
+def scale_layout(N: int, K: int, block_n: int, block_k: int) -> str:
+    """How reports name a weight's scales: per-channel, per-tensor or its blocks."""
+    if block_k >= K and block_n == 1:
+        return "per-channel"
+    if block_k >= K and block_n >= N:
+        return "per-tensor"
+    return f"{block_n}x{block_k} block"
+
+
+def _expanded_scales(scale_inv, rows: range, K: int, block_n: int, block_k: int) -> torch.Tensor:
+    """scale_inv[n // block_n, k // block_k] for n in `rows` and every k: (len(rows), K) float32."""
+    dev = scale_inv.device
+    r = torch.arange(rows.start, rows.stop, device=dev) // block_n
+    c = torch.arange(K, device=dev) // block_k
+    return scale_inv.float().index_select(0, r).index_select(1, c)
+
+
 def _blocked(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """(R, C) -> (R/rows, rows, C/cols, cols), zero-padding R and C up to block multiples."""
     R, C = t.shape
@@ -417,16 +459,14 @@ def _blocked(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def dequantize(w, scale_inv, block_n: int, block_k: int, dtype: torch.dtype) -> torch.Tensor:
     """w (N, K) e4m3 and its block scales -> the real weight (N, K) in `dtype` (float32 math, one rounding)."""
     N, K = w.shape
-    wb = _blocked(w.float(), block_n, block_k) * scale_inv[:, None, :, None]
-    return wb.flatten(2).flatten(0, 1)[:N, :K].to(dtype).contiguous()
+    return (w.float() * _expanded_scales(scale_inv, range(N), K, block_n, block_k)).to(dtype)
 
 
 def quantize_weight(w_real, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w_real (N, K) -> (w (N, K) float8_e4m3fn, scale_inv (ceil(N/bn), ceil(K/bk)) float32).
 
     Per block scale = amax / 448 (1 for an all-zero block), w = w_real / scale rounded to e4m3."""
-    if not (_is_block(block_n) and _is_block(block_k)):
-        fail(NAME, f"block sizes must be powers of two >= 16, got {block_n!r}, {block_k!r}")
+    check_blocks(block_n, block_k)
     if not w_real.dim() == 2:
         fail(NAME, f"w_real must be 2-D (N, K), got shape {tuple(w_real.shape)}")
     N, K = w_real.shape
@@ -486,10 +526,10 @@ def cpu_forward(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bo
     x2 = x.reshape(-1, K)
     a = _dequantize_activations(*quantize_activations(x2, block_k), block_k) if act_quant else x2.float()
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
-    rows = max(1, _CPU_CHUNK_BYTES // (block_n * K * 4)) * block_n
+    rows = max(1, _CPU_CHUNK_BYTES // (K * 4))
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
-        wc = dequantize(w[n0:n1], scale_inv[n0 // block_n:_cdiv(n1, block_n)], block_n, block_k, torch.float32)
+        wc = w[n0:n1].float() * _expanded_scales(scale_inv, range(n0, n1), K, block_n, block_k)
         if bias is None:
             yc = a @ wc.T
         else:

@@ -65,7 +65,7 @@ def _fake(op):
     return torch.library.register_fake(op._qualified_op_name, lib=_LIB)
 
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "int4_linear",
+__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "fp8_dequantize", "int4_linear",
            "int4_dequantize", "moe_experts", "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
@@ -177,6 +177,19 @@ def _rows_viewable(x: Tensor) -> bool:
 @_fake(fp8_linear)
 def _(x, weight, scale_inv, bias, block_n, block_k, act_quant):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_op("fp8_dequantize")
+def fp8_dequantize(weight: Tensor, scale_inv: Tensor, block_n: int, block_k: int, dtype: torch.dtype) -> Tensor:
+    """The real weight (N, K) in `dtype` of an FP8 weight and its block (or per-channel, per-tensor)
+    scales, in plain torch on any device: what a quantized FP8 linear computes before F.linear
+    (models/quantized.py). The fp8_gemm pass folds the pair into metainfer::fp8_linear."""
+    return _fp8_gemm.dequantize(weight, scale_inv, block_n, block_k, dtype)
+
+
+@_fake(fp8_dequantize)
+def _(weight, scale_inv, block_n, block_k, dtype):
+    return weight.new_empty(weight.shape, dtype=dtype)
 
 
 @_op("int4_linear")

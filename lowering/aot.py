@@ -241,12 +241,12 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
             attention.launch(q, k, v, None, d ** -0.5, True, 4095, config=cfg)
         return call
 
-    def gemm(m, act_quant, bias=False, k=1024, block_k=128):
+    def gemm(m, act_quant, bias=False, k=1024, block_k=128, block_n=128):
         def call(arch):
             n = 512
             fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3),
-                            torch.rand(n // 128, -(-k // block_k), generator=g), randn(n) if bias else None,
-                            128, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
+                            torch.rand(-(-n // block_n), -(-k // block_k), generator=g), randn(n) if bias else None,
+                            block_n, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
         return call
 
     def int4(m, group=128, zeros=True, act_order=False, bias=False, k=1024):
@@ -328,6 +328,9 @@ def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
         ("fp8_gemm", "prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
         ("fp8_gemm", "m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
         ("fp8_gemm", "m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
+        ("fp8_gemm", "decode m=8, per-channel scales, split-K", gemm(8, False, block_n=1, block_k=1024)),
+        ("fp8_gemm", "prefill m=512, per-channel scales, per-token fp8 activations",
+         gemm(512, True, block_n=1, block_k=1024)),
         ("int4_gemm", "decode m=1, fp16, group 128, zero points (GEMV)", int4(1)),
         ("int4_gemm", "decode m=8, fp16, act-order, symmetric (GEMV)", int4(8, zeros=False, act_order=True)),
         ("int4_gemm", "prefill m=512, fp16, group 128, zero points, bias", int4(512, bias=True)),

@@ -1,14 +1,21 @@
-"""Quantized linear layers as a checkpoint keeps them: the weight stays packed in memory and the
-forward is what any device can run, dequantise then F.linear, so eager runs anywhere and Dynamo
-captures a form metainfer's passes turn into one kernel (passes/int4_gemm.py).
+"""Quantized linear layers as a checkpoint keeps them: the weight stays in its stored precision in
+memory and the forward is what any device can run, dequantise then F.linear, so eager runs
+anywhere and Dynamo captures a form metainfer's passes turn into one kernel (passes/int4_gemm.py,
+passes/fp8_gemm.py).
 
     layer = Int4Linear.from_linear(nn.Linear(4096, 4096), group=128, symmetric=False)
+    layer = FP8Linear.from_linear(nn.Linear(4096, 4096), block=(128, 128))   # or "channel", "tensor"
     quantize_linears(model, group=128)        # every nn.Linear but the embeddings and lm_head, in place
 
-The packed layout is metainfer.kernels.int4_gemm's (loaders convert GPTQ, AWQ and compressed-
-tensors checkpoints to it); the dequantisation is `metainfer::int4_dequantize`, an op whose body
-is plain torch: Dynamo sees one node whose meaning is fixed, which the pass can prove it replaces
-exactly (a traced chain of shifts, masks and gathers could not be told from one that differs).
+The int4 layout is metainfer.kernels.int4_gemm's (loaders convert GPTQ, AWQ and compressed-
+tensors checkpoints to it), the FP8 one metainfer.kernels.fp8_gemm's (e4m3 weight, float32 scales
+over blocks; per-channel and per-tensor scales are blocks of 1 x K and N x K). The dequantisation
+is `metainfer::int4_dequantize` / `metainfer::fp8_dequantize`, ops whose bodies are plain torch:
+Dynamo sees one node whose meaning is fixed, which a pass can prove it replaces exactly (a traced
+chain of shifts, masks and gathers could not be told from one that differs).
+
+A model's `.to(torch.bfloat16)` casts its float tensors, FP8 weights and fp16 scales included;
+these layers keep their stored tensors' dtypes and follow only device moves.
 """
 
 from __future__ import annotations
@@ -17,14 +24,83 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metainfer.kernels import int4_gemm
+import metainfer.kernels.ops  # noqa: F401  (registers metainfer::int4_dequantize and ::fp8_dequantize)
+from metainfer.kernels import fp8_gemm, int4_gemm
 
 
-class Int4Linear(nn.Module):
+class _StoredQuantized(nn.Module):
+    """A layer whose `STORED` buffers keep their dtype under .to(dtype) / .half() / .bfloat16()."""
+
+    STORED: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {k: self._buffers[k] for k in self.STORED if self._buffers.get(k) is not None}
+        for k in kept:
+            self._buffers[k] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for k, t in kept.items():
+                self._buffers[k] = t
+        for k, t in kept.items():
+            device = fn(torch.empty(0, dtype=t.dtype, device=t.device)).device
+            if device != t.device:
+                self._buffers[k] = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+        return self
+
+
+class FP8Linear(_StoredQuantized):
+    """y = x @ W^T + b with W (out_features, in_features) kept as float8_e4m3fn (`weight`) and float32
+    scales `weight_scale` (ceil(N / block_n), ceil(K / block_k)), W[n, k] = weight[n, k] *
+    weight_scale[n // block_n, k // block_k]. `block`: (block_n, block_k) (a "-FP8" checkpoint's
+    [128, 128]), "channel" (one scale per output row) or "tensor" (one scale)."""
+
+    STORED = ("weight", "weight_scale")
+
+    def __init__(self, in_features: int, out_features: int, block="channel", bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if isinstance(block, str):
+            self.block_n, self.block_k = fp8_gemm.channel_blocks(out_features, in_features, block)
+        else:
+            self.block_n, self.block_k = (int(b) for b in block)
+        fp8_gemm.check_blocks(self.block_n, self.block_k)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.ones(-(-out_features // self.block_n),
+                                                        -(-in_features // self.block_k), dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, block="channel") -> "FP8Linear":
+        """`linear` quantised per block to e4m3 (scale = block amax / 448; kernels.fp8_gemm.quantize_weight)."""
+        layer = cls(linear.in_features, linear.out_features, block, bias=linear.bias is not None)
+        w, s = fp8_gemm.quantize_weight(linear.weight.detach().float(), layer.block_n, layer.block_k)
+        layer.weight.copy_(w)
+        layer.weight_scale.copy_(s)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return layer.to(linear.weight.device).train(linear.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.ops.metainfer.fp8_dequantize(self.weight, self.weight_scale, self.block_n, self.block_k, x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() + self.weight_scale.numel() * 4
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"scales={fp8_gemm.scale_layout(self.out_features, self.in_features, self.block_n, self.block_k)}, "
+                f"bias={self.bias is not None}")
+
+
+class Int4Linear(_StoredQuantized):
     """y = x @ W^T + b with W (out_features, in_features) kept as 4-bit values packed eight to an
     int32 (`qweight`), a scale per output row and group of `group` inputs (`scales`), zero points
     (`zeros`, uint8; None: symmetric, 8), and for an act-order checkpoint the permutation its
     input columns are read through (`perm`)."""
+
+    STORED = ("qweight", "scales", "zeros", "perm")
 
     def __init__(self, in_features: int, out_features: int, group: int, bias: bool = False, zeros: bool = True,
                  act_order: bool = False, scale_dtype: torch.dtype = torch.float16):
@@ -69,17 +145,20 @@ class Int4Linear(nn.Module):
                 f"zeros={self.zeros is not None}, act_order={self.perm is not None}, bias={self.bias is not None}")
 
 
-def quantize_linears(model: nn.Module, group: int, symmetric: bool = True, skip=("lm_head",)) -> int:
-    """Replace every nn.Linear of `model` (but those whose name ends in one of `skip`) by its
-    Int4Linear, in place; returns how many."""
-    import metainfer.kernels.ops  # noqa: F401  (registers metainfer::int4_dequantize)
-
+def quantize_linears(model: nn.Module, group: int = 128, symmetric: bool = True, skip=("lm_head",),
+                     fp8=None) -> int:
+    """Replace every nn.Linear of `model` (but those whose name ends in one of `skip`) in place by its
+    Int4Linear (groups of `group`, zero points unless `symmetric`), or with `fp8` (a block pair,
+    "channel" or "tensor") by its FP8Linear; returns how many. For tiny fixtures: a real checkpoint
+    comes quantized (models/checkpoint.py loads it)."""
     targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not name.endswith(tuple(skip)) and m.in_features % int4_gemm.PACK == 0]
+               if isinstance(m, nn.Linear) and not name.endswith(tuple(skip))
+               and (fp8 is not None or m.in_features % int4_gemm.PACK == 0)]
     for name, linear in targets:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr,
-                Int4Linear.from_linear(linear, group, symmetric=symmetric))
+        layer = (FP8Linear.from_linear(linear, fp8) if fp8 is not None
+                 else Int4Linear.from_linear(linear, group, symmetric=symmetric))
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
     return len(targets)
 
 

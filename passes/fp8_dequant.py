@@ -48,6 +48,9 @@ def find_dequant(out: Node) -> Dequant | None:
     s_out = shape(out)
     if s_out is None or len(s_out) != 2 or dtype(out) not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    if is_op(out, torch.ops.metainfer.fp8_dequantize):  # an op of fixed meaning: the proof is its name
+        w, scale, bn, bk = out.args[:4]
+        return Dequant(weight=w, scale=scale, block_n=bn, block_k=bk, out=out, nodes={out})
     nodes = set()
     n = out
     while is_op(n, *CONVERT_OPS):

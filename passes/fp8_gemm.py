@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
+from metainfer.kernels.fp8_gemm import scale_layout
+
 from .base import MatchPass, PassContext, register
 from .fp8_dequant import Dequant, NotDequant, find_dequant
 from .matching import (
@@ -85,7 +87,7 @@ class FP8GEMM(MatchPass):
         shared = [u.name for u in dq.out.users if u is not site.wt]
         extra = f"; the dequantised weight is still computed for {', '.join(shared)}" if shared else ""
         return (f"{location(node)}: dequant + linear -> metainfer.fp8_linear {site.mode.upper()} "
-                f"([{N}, {K}] e4m3, {dq.block_n}x{dq.block_k} block scales, x "
+                f"([{N}, {K}] e4m3, {scale_layout(N, K, dq.block_n, dq.block_k)} scales, x "
                 f"{str(dtype(site.x)).replace('torch.', '')}; reads {N * K} FP8 weight bytes instead of writing "
                 f"and reading a {N * K * dtype(dq.out).itemsize}-byte dequantised copy){extra}")
 
@@ -103,6 +105,8 @@ def _check(x, bias, dq) -> None:
     if dtype(dq.weight) not in SUPPORTED_FP8:
         raise NotDequant(f"FP8 format {dtype(dq.weight)} is not supported by the kernel "
                          f"(supported: {', '.join(str(d) for d in SUPPORTED_FP8)})")
+    if dtype(dq.scale) != torch.float32:
+        raise NotDequant(f"the scales are {dtype(dq.scale)}; the kernel reads float32 scales")
     if dtype(x) not in FLOAT_DTYPES or dtype(x) != dtype(dq.out):
         raise NotDequant(f"activations {dtype(x)} and dequantised weight {dtype(dq.out)} differ")
     if bias is not None and len(shape(bias)) == 1 and dtype(bias) != dtype(x):

@@ -16,6 +16,10 @@ from metainfer.kernels import KernelInputError
 
 CFG = K.DEFAULT_CONFIGS["interpreter"]
 BLOCKS = [16, 32, 64, 128]
+# block_n 1 and 2: per-channel scales (compressed-tensors' "channel" is block_n 1, block_k >= K);
+# 256 / 512 cover whole weights (per-tensor): every map channel_blocks gives
+N_BLOCKS = [1, 2, *BLOCKS, 256]
+K_BLOCKS = [*BLOCKS, 512]
 # unit roundoff of each x dtype; outputs may differ by one ulp = 2u (see the module docstring)
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SLACK = 1e-4  # times A = |x| @ |w|^T: float32 accumulation-order differences
@@ -30,7 +34,7 @@ def problems(draw, max_m=70, max_n=150, max_k=300):
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
         lead=(M,) if lead == "2d" else (1, M) if lead == "3d" else (2, max(1, M // 2)),
         N=draw(st.integers(1, max_n)), K=draw(st.integers(1, max_k)),
-        bn=draw(st.sampled_from(BLOCKS)), bk=draw(st.sampled_from(BLOCKS)),
+        bn=draw(st.sampled_from(N_BLOCKS)), bk=draw(st.sampled_from(K_BLOCKS)),
         bias=draw(st.booleans()), act_quant=draw(st.booleans()),
         padded=draw(st.booleans()),  # x rows strided wider than K, as a slice of a wider buffer
     )
@@ -189,11 +193,11 @@ def test_cpu_path_never_dequantises_the_whole_weight():
     x = torch.randn(3, 100)
     w, s = K.quantize_weight(torch.randn(150, 100), 32, 16)
     rows = []
-    real = K.dequantize
-    with mock.patch.object(K, "_CPU_CHUNK_BYTES", 2 * 32 * 100 * 4), \
-            mock.patch.object(K, "dequantize", lambda w_, *a: rows.append(w_.shape[0]) or real(w_, *a)):
+    real = K._expanded_scales
+    with mock.patch.object(K, "_CPU_CHUNK_BYTES", 64 * 100 * 4), \
+            mock.patch.object(K, "_expanded_scales", lambda s_, r, *a: rows.append(len(r)) or real(s_, r, *a)):
         out = K.cpu_forward(x, w, s, None, 32, 16, False)
-    assert rows == [64, 64, 22]  # chunks of whole scale rows (2 x 32), the last one partial
+    assert rows == [64, 64, 22]  # chunks of 64 rows of float32 weight, the last one partial
     assert_within(out, K.reference(x, w, s, None, 32, 16), 1e-4 * magnitude(x, w, s, 32, 16), "chunked")
 
 
@@ -203,7 +207,7 @@ def e4m3_round_trip_bound(real, scale_full):
 
 
 @settings(max_examples=30, deadline=None)
-@given(N=st.integers(1, 150), Kd=st.integers(1, 300), bn=st.sampled_from(BLOCKS), bk=st.sampled_from(BLOCKS),
+@given(N=st.integers(1, 150), Kd=st.integers(1, 300), bn=st.sampled_from(N_BLOCKS), bk=st.sampled_from(BLOCKS),
        zero_block=st.booleans())
 def test_quantize_weight_round_trip(N, Kd, bn, bk, zero_block):
     wr = torch.randn(N, Kd) * 10.0 ** torch.empty(N, Kd).uniform_(-4, 1)  # subnormal e4m3 included
@@ -260,7 +264,7 @@ def test_config_clamped_to_scale_blocks_and_validated(interpret):
         out = K.launch(x, w, s, None, 16, 16, aq, config=big)
         assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, 16, 16), torch.float32), "clamped")
     tiles = lambda *shape: tuple(K._clamp(big, *shape)[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))  # noqa: E731
-    assert tiles(20, 40, 70, 16, 16) == (32, 16, 16)
+    assert tiles(20, 40, 70, 16, 16) == (32, 64, 16)  # BLOCK_K within a scale group; N tiles read a scale per column
     assert tiles(3, 1000, 4096, 128, 128) == (16, 128, 128)
     for bad in (dict(BLOCK_M=24, BLOCK_N=16, BLOCK_K=16), dict(BLOCK_M=16, BLOCK_N=8, BLOCK_K=16),
                 dict(BLOCK_M=16, BLOCK_N=16)):
@@ -370,7 +374,22 @@ def test_split_k_matches_reference(p, splits, interpret):
         out = K.launch(*args, config={**CFG, "SPLITS": splits})
     ref = K.reference(*args)
     assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, p["bn"], p["bk"], bias), p["dtype"]), "split-K")
-    assert len(sums) == (p["K"] > p["bk"])  # splits start on scale-group boundaries
+    if p["bk"] < p["K"]:
+        assert len(sums) == 1  # splits start on scale-group boundaries
+
+
+def test_split_k_of_a_per_channel_weight_cuts_on_k_tiles(interpret):
+    """One scale group over all of K (block_k >= K): K is still split, on tile boundaries."""
+    bn, bk = K.channel_blocks(40, 300, "channel")
+    assert (bn, bk) == (1, 512)
+    w, s = K.quantize_weight(torch.randn(40, 300), bn, bk)
+    assert s.shape == (40, 1)
+    x = torch.randn(1, 300)
+    with split_k_sums() as sums:
+        out = K.launch(x, w, s, None, bn, bk, False, config={**CFG, "SPLITS": 3})
+    ref = K.reference(x, w, s, None, bn, bk)
+    assert len(sums) == 1
+    assert_within(out, ref, ref_bound(ref, magnitude(x, w, s, bn, bk), torch.float32), "per-channel split-K")
 
 
 def test_small_m_rows_and_split_k_chosen_by_shape(interpret):

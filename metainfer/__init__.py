@@ -54,7 +54,7 @@ _LAZY = {
     "optimize": "api", "bisect": "api", "OptimizedModel": "api",
     "analyze": "analyze", "plan": "api", "PlanError": "hardware.planner",
     "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "model_capture",
-    "Report": "report", "Target": "hardware.targets", "cache": None,
+    "Report": "report", "Target": "hardware.targets", "cache": None, "load": "loading",
 }
 
 
@@ -80,5 +80,5 @@ def last_report():
     return _last()
 
 
-__all__ = ["optimize", "analyze", "plan", "PlanError", "bisect", "cache", "EquivalenceError", "CaptureError",
+__all__ = ["optimize", "load", "analyze", "plan", "PlanError", "bisect", "cache", "EquivalenceError", "CaptureError",
            "BisectResult", "OptimizedModel", "Report", "Target", "targets", "last_report", "__version__"]

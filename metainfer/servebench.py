@@ -533,10 +533,17 @@ def word_tokenizer(vocab_size: int):
     return fast
 
 
+def _quantized(folder: Path) -> bool:
+    from metainfer.models.checkpoint import read_config
+
+    return bool(read_config(folder).get("quantization_config"))
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
     """What `metainfer serve --model` names: a name from MODELS (random weights, a word
     tokenizer), a Hugging Face config.json (random weights, no tokenizer), or a local model
-    folder (its weights, and its tokenizer where it has one); nothing is downloaded. Returns (model in eval mode, tokenizer or None, served name);
+    folder (its weights, quantized checkpoints kept quantized by metainfer.load, and its tokenizer
+    where it has one); nothing is downloaded. Returns (model in eval mode, tokenizer or None, served name);
     ValueError says what is wrong."""
     import transformers
 
@@ -547,7 +554,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"
     if not (folder / "config.json").is_file() and not (path.is_file() and path.suffix == ".json"):
         raise ValueError(f"--model {spec}: neither a benchmark model ({', '.join(MODELS)}) nor a Hugging Face "
                          "config.json or model folder")
-    if path.is_dir() and any((folder / w).is_file() for w in _WEIGHTS):
+    if path.is_dir() and _quantized(folder):  # kept quantized, on metainfer's layers
+        from metainfer.models.checkpoint import load
+
+        model = load(folder, dtype=dtype, attn=attn)
+    elif path.is_dir() and any((folder / w).is_file() for w in _WEIGHTS):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation=attn)
     else:
         model = build_model(str(path), attn=attn, dtype=dtype)  # random weights from the config

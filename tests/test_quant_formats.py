@@ -1,6 +1,6 @@
 """Int4 checkpoint formats read into the layout metainfer's kernel takes (models/quantized.py's
 from_compressed_tensors, from_gptq, from_awq): tensors written as each format's own spec lays
-them out (metainfer.testing's writers; the specs in models/quantized.py) come back as the same
+them out (metainfer.checkpoint_writers; the specs in models/quantized.py) come back as the same
 real weight, act-order checkpoints included; where compressed-tensors is installed, its own
 packer writes the bytes our writer writes."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import metainfer.kernels.ops  # noqa: F401
 from metainfer.kernels import int4_gemm as K
 from metainfer.models import quantized as Q
-from metainfer.testing import int4_as_awq, int4_as_compressed_tensors, int4_as_gptq
+from metainfer.checkpoint_writers import int4_as_awq, int4_as_compressed_tensors, int4_as_gptq
 
 
 def _layer(N, Kd, group, symmetric, seed):

@@ -222,14 +222,20 @@ def functional_collectives_check(rank: int, world_size: int, device: str) -> lis
 
 # ---- a `metainfer serve` process for tests (needs the serve and test extras: httpx)
 
-def tiny_model_folder(path):
+def tiny_model_folder(path, quantized: str | None = None, **options):
     """The benchmark's hf-llama-tiny (random weights, 512 positions) and its word tokenizer (with a
-    chat template), saved as a Hugging Face model folder at `path`."""
+    chat template), saved as a Hugging Face model folder at `path`; `quantized`: a format of
+    metainfer.checkpoint_writers (`options` go to its save_quantized) instead of float weights."""
     from metainfer import servebench
 
     model = servebench.build_model("hf-llama-tiny")
     model.config.max_position_embeddings = 512
-    model.save_pretrained(path)
+    if quantized is None:
+        model.save_pretrained(path)
+    else:
+        from metainfer.checkpoint_writers import save_quantized
+
+        save_quantized(model, path, quantized, **options)
     servebench.word_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
 

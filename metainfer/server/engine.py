@@ -255,6 +255,10 @@ class Engine:
         m.running.set_function(lambda: self.admission.running)
         m.queued.set_function(lambda: len(self.admission.waiting))
         m.graphs.set_function(lambda: len(self.opt.report.sections))
+        from metainfer.passes.pipeline import DEFAULT_ORDER
+
+        for name in DEFAULT_ORDER:
+            m.pass_matches.labels(name).set_function(lambda name=name: self.opt.report.matches(name))
         for i, state in enumerate(("used", "cached", "free")):
             m.kv_blocks.labels(state).set_function(lambda i=i: self._blocks()[i])
         m.prefix_hit.set_function(self._prefix_hit)

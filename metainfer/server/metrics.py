@@ -28,6 +28,9 @@ class Metrics:
                                 "Share of admitted prompt tokens the engine did not compute (cached prefix blocks)",
                                 registry=r)
         self.graphs = Gauge("metainfer_graphs_compiled", "Graphs metainfer compiled for the engine", registry=r)
+        self.pass_matches = Gauge("metainfer_pass_matches", "Matches of each metainfer pass over the graphs compiled "
+                                  "for the engine (e.g. int4_gemm: quantized linears on metainfer's kernel)", ["pass_name"],
+                                  registry=r)
         self.degree = Gauge("metainfer_parallel_degree", "Ranks serving the model, its tensor-parallel degree, and "
                             "whether experts are spread (1) or not (0)", ["kind"], registry=r)
         self.degrees = Info("metainfer_parallel", "How the model is spread over the ranks, and why", registry=r)

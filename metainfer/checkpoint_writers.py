@@ -4,7 +4,7 @@ loader's tests and benches (nothing can be downloaded here), in pure torch.
     real = save_quantized(tiny_hf_model("Llama"), "ckpt/", "gptq", group=32, act_order=True)
 
 writes config.json (with the format's quantization_config) and safetensors, and returns each
-quantized linear's real weight (what the stored values mean, by the format's formula, in float32),
+quantized weight's real value (what the stored values mean, by the format's formula, in float32),
 from which a test builds the dequantised reference model. Specs followed (field names, which
 dimension is packed, packing order) are cited beside each writer and in models/quantized.py.
 """
@@ -170,7 +170,8 @@ def save_quantized(model: nn.Module, folder, fmt: str, *, group: int = 32, symme
                    dtype: torch.dtype = torch.bfloat16, shards: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers causal LM) to `folder` as a `fmt` checkpoint: every nn.Linear
     not named in `skip` quantized, every other tensor in `dtype`, in `shards` safetensors files (an
-    index when more than one). Returns {linear name: its real weight (float32)}."""
+    index when more than one); for "fp8-block" also MoE experts, per expert. Returns {parameter name
+    of each quantized weight ("...q_proj.weight", "...experts.gate_up_proj"): its real value (float32)}."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -187,6 +188,23 @@ def save_quantized(model: nn.Module, folder, fmt: str, *, group: int = 32, symme
         if lin.bias is not None:
             tensors[f"{name}.bias"] = lin.bias.detach().to(dtype)
     quantized = {f"{n}.weight" for n in linears}
+    real = {f"{n}.weight": w for n, w in real.items()}
+    if fmt == "fp8-block":  # MoE experts as DeepSeek-V3 "-FP8" stores them: per expert, FP8 blocks
+        for name, m in model.named_modules():
+            if not (isinstance(getattr(m, "num_experts", None), int) and hasattr(m, "gate_up_proj")):
+                continue
+            gate_up, down = m.gate_up_proj.detach().float(), m.down_proj.detach().float()
+            I = gate_up.shape[1] // 2
+            reals = {"gate_up_proj": [], "down_proj": []}
+            for e in range(m.num_experts):
+                for proj, w in (("gate_proj", gate_up[e, :I]), ("up_proj", gate_up[e, I:]), ("down_proj", down[e])):
+                    w8, s = fp8_gemm.quantize_weight(w, *block)
+                    tensors[f"{name}.{e}.{proj}.weight"], tensors[f"{name}.{e}.{proj}.weight_scale_inv"] = w8, s
+                    reals["down_proj" if proj == "down_proj" else "gate_up_proj"].append(_fp8_real(w8, s, *block))
+            real[f"{name}.gate_up_proj"] = torch.stack([torch.cat(reals["gate_up_proj"][2 * e:2 * e + 2])
+                                                        for e in range(m.num_experts)])
+            real[f"{name}.down_proj"] = torch.stack(reals["down_proj"])
+            quantized |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
     for key, t in model.state_dict().items():
         if key in quantized or t.data_ptr() in seen:  # a tied weight is stored once
             continue

@@ -14,7 +14,9 @@ dequantised, nothing downloaded. Formats (each converter's spec is cited in mode
   (activations stay in the model's dtype: W8A16, or W8A8 per token with fp8_gemm's w8a8 mode);
 - `compressed-tensors`, format `pack-quantized` (4-bit int, groups, symmetric or with zero points,
   act-order `weight_g_idx`);
-- `gptq` (checkpoint_format gptq / gptq_v2, desc_act g_idx) and `awq` (version gemm).
+- `gptq` (checkpoint_format gptq / gptq_v2, desc_act g_idx) and `awq` (version gemm);
+- MoE experts stored FP8 per expert in a block checkpoint (DeepSeek-V3's `experts.{e}.gate_proj.
+  weight` + `weight_scale_inv`): one FP8Experts per transformers experts module.
 
 Which linears are quantized is read from the stored tensors (a linear whose `qweight` /
 `weight_packed` / FP8 `weight` is in the files), so `ignore` / `modules_to_not_convert` lists
@@ -325,8 +327,45 @@ def _quantized_layers(model: nn.Module, files: _Files, scheme: Scheme | None) ->
             layer.bias = nn.Parameter(bias, requires_grad=False)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    used |= _quantized_experts(model, files, scheme)
     if scheme is not None and not used:
         raise ValueError(f"config.json declares {scheme.describe()} but no linear is stored quantized")
+    return used
+
+
+def _is_experts(m: nn.Module) -> bool:
+    """A transformers experts module: stacked gate_up_proj (E, 2I, H) and down_proj (E, H, I)."""
+    return isinstance(getattr(m, "num_experts", None), int) and all(
+        isinstance(getattr(m, p, None), torch.Tensor) and getattr(m, p).dim() == 3 for p in ("gate_up_proj", "down_proj"))
+
+
+def _quantized_experts(model: nn.Module, files: _Files, scheme: Scheme | None) -> set[str]:
+    """Experts stored FP8 per expert (DeepSeek-V3's `experts.{e}.gate_proj.weight_scale_inv`) ->
+    one FP8Experts per experts module; returns the tensor names used."""
+    used = set()
+    for name, m in list(model.named_modules()):
+        if not _is_experts(m) or f"{name}.0.gate_proj.weight_scale_inv" not in files:
+            continue
+        if scheme is None or scheme.kind != "fp8" or scheme.block is None:
+            raise ValueError(f"{name}: experts stored as FP8 blocks, but the config declares "
+                             f"{scheme.describe() if scheme else 'no quantization'}")
+        E, (two_i, H) = m.num_experts, m.gate_up_proj.shape[1:]
+        I = two_i // 2
+        bn, bk = scheme.block
+        layer = Q.FP8Experts(E, H, I, (bn, bk))
+        for proj, attr, (n, k) in (("gate_proj", "gate", (I, H)), ("up_proj", "up", (I, H)), ("down_proj", "down", (H, I))):
+            weights, scales = [], []
+            for e in range(E):
+                w = files.get(f"{name}.{e}.{proj}.weight", (n, k))
+                if w.dtype != torch.float8_e4m3fn:
+                    raise ValueError(f"{name}.{e}.{proj}.weight is {w.dtype}; FP8 experts store float8_e4m3fn")
+                weights.append(w)
+                scales.append(files.get(f"{name}.{e}.{proj}.weight_scale_inv", (-(-n // bn), -(-k // bk))).float())
+                used |= {f"{name}.{e}.{proj}.weight", f"{name}.{e}.{proj}.weight_scale_inv"}
+            setattr(layer, attr, torch.stack(weights))
+            setattr(layer, f"{attr}_scale", torch.stack(scales))
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
     return used
 
 
@@ -385,6 +424,7 @@ def weight_bytes(model: nn.Module) -> dict[str, Any]:
     """Bytes the model's linears hold in memory: quantized layers' stored tensors, float linears'
     weights; with the whole model's parameters and buffers."""
     quantized = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (Q.Int4Linear, Q.FP8Linear)))
+    experts = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Q.FP8Experts))
     total = sum(t.numel() * t.element_size() for t in {id(t): t for t in
                                                        list(model.parameters()) + list(model.buffers())}.values())
-    return {"quantized_linears": quantized, "total": total}
+    return {"quantized_linears": quantized, "quantized_experts": experts, "total": total}

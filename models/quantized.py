@@ -88,6 +88,43 @@ class FP8Linear(_StoredQuantized):
     def weight_bytes(self) -> int:
         return self.weight.numel() + self.weight_scale.numel() * 4
 
+    def check_rows(self, lo: int, hi: int) -> None:
+        N, K = self.out_features, self.in_features
+        if self.block_n < N and (lo % self.block_n or (hi % self.block_n and hi != N)):
+            raise ValueError(f"rows [{lo}, {hi}) of an FP8 weight [{N}, {K}] would split its {self.block_n}-row scale "
+                             f"blocks")
+
+    def check_columns(self, lo: int, hi: int) -> None:
+        N, K = self.out_features, self.in_features
+        if self.block_k < K and (lo % self.block_k or (hi % self.block_k and hi != K)):
+            raise ValueError(f"columns [{lo}, {hi}) of an FP8 weight [{N}, {K}] would split its {self.block_k}-column "
+                             f"scale blocks")
+
+    def rows(self, lo: int, hi: int) -> "FP8Linear":
+        """The layer of output rows [lo, hi) (a column-parallel shard, a replicated KV head);
+        ValueError where the cut would split a block of rows that share a scale."""
+        N, K = self.out_features, self.in_features
+        self.check_rows(lo, hi)
+        whole = self.block_n >= N  # one scale row (per tensor)
+        layer = FP8Linear(K, hi - lo, (self.block_n, self.block_k), bias=self.bias is not None)
+        srows = slice(0, 1) if whole else slice(lo // self.block_n, -(-hi // self.block_n))
+        layer.weight, layer.weight_scale = self.weight[lo:hi].clone(), self.weight_scale[srows].clone()
+        if self.bias is not None:
+            layer.bias = nn.Parameter(self.bias.detach()[lo:hi].clone(), requires_grad=False)
+        return layer
+
+    def columns(self, lo: int, hi: int) -> "FP8Linear":
+        """The layer of input columns [lo, hi) without its bias (a row-parallel shard: the bias is
+        added once, after the partial sums are reduced); ValueError where the cut would split a
+        block of columns that share a scale."""
+        N, K = self.out_features, self.in_features
+        self.check_columns(lo, hi)
+        whole = self.block_k >= K
+        layer = FP8Linear(hi - lo, N, (self.block_n, self.block_k))
+        scols = slice(0, 1) if whole else slice(lo // self.block_k, -(-hi // self.block_k))
+        layer.weight, layer.weight_scale = self.weight[:, lo:hi].clone(), self.weight_scale[:, scols].clone()
+        return layer
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"scales={fp8_gemm.scale_layout(self.out_features, self.in_features, self.block_n, self.block_k)}, "
@@ -140,9 +177,90 @@ class Int4Linear(_StoredQuantized):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.perm)
                    if t is not None)
 
+    def check_rows(self, lo: int, hi: int) -> None:
+        pass  # every row has its own scales and zero points
+
+    def check_columns(self, lo: int, hi: int) -> None:
+        K = self.in_features
+        if self.perm is not None:
+            raise ValueError(f"an act-order int4 weight [{self.out_features}, {K}] cannot be split along its inputs: "
+                             "each group gathers columns from all of K")
+        if lo % self.group or (hi % self.group and hi != K):
+            raise ValueError(f"columns [{lo}, {hi}) of an int4 weight with groups of {self.group} would split a group")
+
+    def rows(self, lo: int, hi: int) -> "Int4Linear":
+        """The layer of output rows [lo, hi): every row keeps its own scales and zero points."""
+        self.check_rows(lo, hi)
+        layer = Int4Linear(self.in_features, hi - lo, self.group, bias=self.bias is not None,
+                           zeros=self.zeros is not None, act_order=self.perm is not None, scale_dtype=self.scales.dtype)
+        layer.qweight, layer.scales = self.qweight[lo:hi].clone(), self.scales[lo:hi].clone()
+        layer.zeros = None if self.zeros is None else self.zeros[lo:hi].clone()
+        layer.perm = None if self.perm is None else self.perm.clone()
+        if self.bias is not None:
+            layer.bias = nn.Parameter(self.bias.detach()[lo:hi].clone(), requires_grad=False)
+        return layer
+
+    def columns(self, lo: int, hi: int) -> "Int4Linear":
+        """The layer of input columns [lo, hi) without its bias (a row-parallel shard); ValueError
+        where the cut would split a group, or for act-order (its groups gather columns from all of K)."""
+        self.check_columns(lo, hi)
+        layer = Int4Linear(hi - lo, self.out_features, self.group, zeros=self.zeros is not None,
+                           scale_dtype=self.scales.dtype)
+        g = slice(lo // self.group, -(-hi // self.group))
+        layer.qweight = self.qweight[:, lo // int4_gemm.PACK:hi // int4_gemm.PACK].clone()
+        layer.scales = self.scales[:, g].clone()
+        layer.zeros = None if self.zeros is None else self.zeros[:, g].clone()
+        return layer
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
                 f"zeros={self.zeros is not None}, act_order={self.perm is not None}, bias={self.bias is not None}")
+
+
+class FP8Experts(_StoredQuantized):
+    """Routed SwiGLU experts with FP8 block weights, as DeepSeek-V3 "-FP8" checkpoints store them
+    (per expert `gate_proj`, `up_proj`, `down_proj` e4m3 with `weight_scale_inv` blocks), kept
+    stacked: gate / up (E, I, H), down (E, H, I), and their scales. It takes the place of a
+    transformers experts module (same call: hidden states (T, H), top-k expert ids and weights);
+    its forward is the reference loop, expert e's tokens through its dequantised weights, the form
+    the fuse_moe pass turns into one metainfer::moe_experts call on the FP8 weights."""
+
+    STORED = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, block: tuple[int, int]):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
+        self.block_n, self.block_k = (int(b) for b in block)
+        fp8_gemm.check_blocks(self.block_n, self.block_k)
+        E, bn, bk = num_experts, self.block_n, self.block_k
+        for name, (n, k) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
+                             ("down", (hidden, intermediate))):
+            self.register_buffer(name, torch.zeros(E, n, k, dtype=torch.float8_e4m3fn))
+            self.register_buffer(f"{name}_scale", torch.ones(E, -(-n // bn), -(-k // bk), dtype=torch.float32))
+
+    def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.metainfer.fp8_dequantize(getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
+                                                  self.block_n, self.block_k, dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        x = hidden_states
+        y = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            idx, top = torch.where(top_k_index == e)
+            h = x[idx]
+            h = F.silu(F.linear(h, self._weight("gate", e, x.dtype))) * F.linear(h, self._weight("up", e, x.dtype))
+            y.index_add_(0, idx, F.linear(h, self._weight("down", e, x.dtype)) * top_k_weights[idx, top, None].to(x.dtype))
+        return y
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self.STORED))
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"scales={self.block_n}x{self.block_k} blocks")
+
+
+QUANTIZED = (FP8Linear, Int4Linear)  # layers with rows() / columns() cuts for tensor parallelism
 
 
 def quantize_linears(model: nn.Module, group: int = 128, symmetric: bool = True, skip=("lm_head",),

@@ -32,7 +32,7 @@ def dequantised_reference(model, real):
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16).float()
     for name, w in real.items():
-        ref.get_submodule(name).weight.data.copy_(w)
+        ref.get_parameter(name).data.copy_(w)
     return ref
 
 
@@ -55,13 +55,13 @@ def test_loads_kept_quantized_with_the_dequantised_models_logits(tmp_path, arch,
     real = save_quantized(model, tmp_path, fmt, **options)
     loaded = load(tmp_path, dtype=torch.float32)
     layers = [m for m in loaded.modules() if isinstance(m, (FP8Linear, Int4Linear))]
-    assert len(layers) == len(real) > 0
+    assert len(layers) == len([k for k in real if k.endswith(".weight")]) > 0
     kind = FP8Linear if "fp8" in fmt else Int4Linear
     assert all(isinstance(m, kind) for m in layers)
     stored = {FP8Linear: (torch.float8_e4m3fn,), Int4Linear: (torch.int32,)}[kind]
     assert all((m.weight if kind is FP8Linear else m.qweight).dtype in stored for m in layers)
     # weight bytes by hand: FP8 one byte a weight, int4 half a byte, plus scales (and zero points, perm)
-    n_weights = sum(w.numel() for w in real.values())
+    n_weights = sum(w.numel() for k, w in real.items() if k.endswith(".weight"))  # the linears'; experts below
     assert weight_bytes(loaded)["quantized_linears"] >= n_weights * (1 if kind is FP8Linear else 0.5)
     assert weight_bytes(loaded)["quantized_linears"] < n_weights * (1.2 if kind is FP8Linear else 0.75)
     ref = dequantised_reference(model, real)
@@ -84,6 +84,32 @@ def test_optimized_load_gives_the_greedy_tokens_of_the_dequantised_model(tmp_pat
     assert torch.equal(opt.generate(IDS[:1], **gen), want)
     sections = opt.report.sections  # one graph per prompt / decode shape: every linear in each
     assert [opt.report.record(pass_name, g).matches for g in range(len(sections))] == [len(real)] * len(sections)
+
+
+def test_deepseek_fp8_experts_load_as_one_module_and_fuse(tmp_path):
+    """DeepSeek-V3's "-FP8" layout: every routed expert's gate / up / down stored FP8 with block
+    scales under its own name; loaded as one FP8Experts per layer (stacked, still FP8), equal to the
+    dequantised model, and fuse_moe turns the expert loop into one moe_experts call on the FP8
+    weights while fp8_gemm takes the other linears."""
+    from metainfer.models.quantized import FP8Experts
+
+    model = tiny_hf_model("DeepseekV3", "sdpa", **DEEPSEEK)
+    real = save_quantized(model, tmp_path, "fp8-block", block=(16, 16))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in real
+    loaded = load(tmp_path, dtype=torch.float32)
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, FP8Experts) and experts.gate.dtype == torch.float8_e4m3fn
+    assert experts.gate.shape == (4, 32, 64) and experts.down_scale.shape == (4, 4, 2)
+    ref = dequantised_reference(model, real)
+    with torch.no_grad():
+        want = ref(IDS).logits
+        assert (loaded(IDS).logits - want).abs().max().item() < 1e-4
+    opt = metainfer.optimize(loaded, "cpu", example_inputs=(IDS,), lowering="aot_eager")
+    with torch.no_grad():
+        assert (opt(IDS).logits - want).abs().max().item() < 1e-4
+    assert opt.report.matches("fuse_moe") == 1
+    assert "FP8 e4m3 16x16 blocks" in opt.report.record("fuse_moe").decisions[0]
+    assert opt.report.matches("fp8_gemm") == len([k for k in real if k.endswith(".weight")])
 
 
 def test_metainfer_load_places_the_model_by_target(tmp_path):

@@ -140,6 +140,8 @@ def local_kv_heads(model: torch.nn.Module) -> int | None:
         return None
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] in ("k_proj", "wk") and hasattr(m, "qweight"):  # a quantized layer's own rows
+            return m.out_features // heads[2] if m.out_features % heads[2] == 0 else None
         if name.rsplit(".", 1)[-1] in ("k_proj", "wk") and isinstance(w, torch.Tensor):
             rows = (w.to_local() if isinstance(w, DTensor) else w).shape[0]
             return rows // heads[2] if rows % heads[2] == 0 else None
@@ -171,6 +173,13 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
                     raise ValueError(f"tensor-parallel plan entry {pattern!r} names the parameter {name} "
                                      f"({p.dim()}-D) with style {style!r}: metainfer splits a bare parameter only "
                                      "colwise (1-D or 2-D) or rowwise (not a bias)")
+    for name, m, how in _quantized_cuts(model, plan, degree):
+        for rank in range(degree):
+            lo, hi = _cut_range(name, m, how, rank, degree, heads)
+            try:
+                (m.check_columns if how == "columns" else m.check_rows)(lo, hi)
+            except ValueError as e:
+                raise ValueError(f"{name}: tensor parallelism over {degree} ranks: {e}") from None
     quantised = [n for n, m in model.named_modules() if getattr(m, "block", 0) and any(fnmatch.fnmatchcase(n, p) for p in plan)]
     if quantised:
         raise ValueError(f"{type(model).__name__}: tensor parallelism over FP8 block-quantised weights is not "
@@ -181,6 +190,76 @@ def check_shardable(model: torch.nn.Module, degree: int) -> dict[str, str]:
         raise ValueError(f"tensor-parallel plan of {type(model).__name__} matches none of its modules "
                          f"(e.g. {unmatched[0]!r})")
     return plan
+
+
+# ---- quantized linears (models/quantized.py): cut by their own rows() / columns() ------------------
+
+_COLWISE, _ROWWISE = ("colwise", "unit_colwise"), ("rowwise", "unit_rowwise")
+
+
+def _quantized_cuts(model, plan: dict[str, str], degree: int) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name, layer, "rows" | "columns" | "kv") for each quantized linear the plan shards; a style
+    other than colwise / rowwise on one is refused by name."""
+    from metainfer.models.quantized import QUANTIZED
+
+    replicated = _replicated_kv(model, plan, degree) if _heads(model) else {}
+    cuts = []
+    for pattern, style in plan.items():
+        if style in _GRADIENTS_ONLY:
+            continue
+        for name, m in _matching(model, pattern):
+            if not isinstance(m, QUANTIZED):
+                continue
+            if pattern in replicated:
+                cuts.append((name, m, "kv"))
+            elif style in _COLWISE:
+                cuts.append((name, m, "rows"))
+            elif style in _ROWWISE:
+                cuts.append((name, m, "columns"))
+            else:
+                raise ValueError(f"{name}: a quantized linear under tensor-parallel style {style!r}; metainfer cuts "
+                                 "quantized weights colwise (rows) or rowwise (columns) only")
+    return cuts
+
+
+def _cut_range(name: str, m, how: str, rank: int, degree: int, heads) -> tuple[int, int]:
+    if how == "kv":  # this rank's one key-value head, whole (ReplicatedHeads)
+        kv, head_dim = heads[1], heads[2]
+        head = rank // (degree // kv)
+        return head * head_dim, (head + 1) * head_dim
+    size = m.out_features if how == "rows" else m.in_features
+    if size % degree:
+        raise ValueError(f"{name}: {size} {'outputs' if how == 'rows' else 'inputs'} do not split over {degree} ranks")
+    step = size // degree
+    return rank * step, (rank + 1) * step
+
+
+class RowParallelQuantized(torch.nn.Module):
+    """A quantized linear's row-parallel shard: this rank's input columns (`local`), the partial
+    sums all-reduced over the mesh (a functional collective, as DTensor's RowwiseParallel emits),
+    the bias added once, after."""
+
+    def __init__(self, local: torch.nn.Module, bias, mesh):
+        super().__init__()
+        self.local, self.mesh = local, mesh
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        y = funcol.all_reduce(self.local(x), "sum", self.mesh)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _shard_quantized(model, cuts, mesh, heads) -> None:
+    degree, rank = mesh.size(), mesh.get_local_rank()
+    for name, m, how in cuts:
+        lo, hi = _cut_range(name, m, how, rank, degree, heads)
+        new = RowParallelQuantized(m.columns(lo, hi), m.bias, mesh) if how == "columns" else m.rows(lo, hi)
+        new.train(m.training)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
 
 
 def _bare_parameter_ok(name: str, p: torch.Tensor, style: str) -> bool:
@@ -217,11 +296,20 @@ def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
     plan = check_shardable(model, degree)
     replicated = _replicated_kv(model, plan, degree) if _heads(model) else {}
     params = dict(model.named_parameters())
+    cuts = _quantized_cuts(model, plan, degree)
+    quantized = {name for name, _, _ in cuts}
     styles = {}
     for pattern, style in plan.items():
         if style in _GRADIENTS_ONLY:
             continue
         owners = _matching(model, pattern)
+        if quantized & {n for n, _ in owners}:  # the float owners by name; the quantized cut below
+            float_owners = [n for n, _ in owners if n not in quantized]
+            if pattern in replicated:
+                styles.update({n: ReplicatedHeads(*_heads(model)[1:]) for n in float_owners})
+            else:
+                styles.update({n: _TORCH_STYLES[style]() for n in float_owners})
+            continue
         if not owners:  # a plan entry may name a bare parameter (per-head sinks): this rank's chunk
             for name in [n for n in params if fnmatch.fnmatchcase(n, pattern)]:
                 parent, _, leaf = name.rpartition(".")
@@ -235,6 +323,7 @@ def shard(model: torch.nn.Module, mesh) -> dict[str, str]:
             for _, m in owners:
                 _interleave(m, degree)
         styles[pattern] = _TORCH_STYLES[style]()
+    _shard_quantized(model, cuts, mesh, _heads(model))
     with warnings.catch_warnings():  # a pattern need not match in every layer (dense vs MoE layers)
         warnings.filterwarnings("ignore", message="Parallelize plan key")
         parallelize_module(model, mesh, styles)

@@ -43,7 +43,7 @@ from metainfer.checkpoint_writers import FORMATS, save_quantized
 from metainfer.models.checkpoint import weight_bytes
 from metainfer.models.quantized import QUANTIZED, FP8Linear, Int4Linear
 
-OPTIONS = {"fp8-block": dict(block=(128, 128)), "ct-int4": dict(group=128, act_order=True),
+OPTIONS = {"fp8-block": dict(block=(128, 128)), "ct-int4": dict(group=128),
            "gptq": dict(group=128, act_order=True), "gptq_v2": dict(group=128), "awq": dict(group=128)}
 
 

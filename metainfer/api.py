@@ -400,6 +400,9 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
            dump_dir=None, serve_compile: str = "auto") -> OptimizedModel:
     target = _targets.required(target, "_build")
     _validate_model(model, target)
+    from metainfer.models.quantized import adopt_transformers_fp8
+
+    adopted = adopt_transformers_fp8(model)
     chosen, disabled, explicit = resolve(target, passes, disable)
     lowering = lowering or "inductor"
     if lowering not in LOWERINGS:
@@ -416,7 +419,11 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, ACCUMULATED_LIMIT)
-    return OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile)
+    opt = OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile)
+    if adopted:
+        opt.report.notes.append(f"model: {adopted} transformers FP8Linear layer(s) replaced in place by metainfer's "
+                                "FP8Linear holding the same tensors (transformers' forward needs a kernel from the hub)")
+    return opt
 
 
 def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passes: Iterable | None = None,

@@ -52,15 +52,18 @@ def int4_as_compressed_tensors(q, scales, zeros=None, g_idx=None) -> dict:
     return out
 
 
-def int4_as_gptq(q, scales, zeros=None, g_idx=None, v1: bool = True) -> dict:
+def int4_as_gptq(q, scales, zeros=None, g_idx=None, v1: bool = True, group: int | None = None) -> dict:
     """GPTQ tensors of one linear (AutoGPTQ / GPTQModel QuantLinear): qweight (K/8, N) packed along
     K, qzeros (G, N/8) packed along N (v1: each zero point minus one, wrapped in 4 bits), scales
-    (G, N) float16, g_idx (K,)."""
+    (G, N) float16, g_idx (K,) (without act-order k // group)."""
     N, K = q.shape
     z = zeros.to(torch.int64) if zeros is not None else torch.full(scales.shape, 8, dtype=torch.int64)
     stored = (z - 1) % 16 if v1 else z
     if g_idx is None:
-        g_idx = torch.arange(K) // (K // scales.shape[1])
+        G = scales.shape[1]
+        if group is None and K % G:
+            raise ValueError(f"{K} columns in {G} groups: pass the group size (the last group is partial)")
+        g_idx = torch.arange(K) // (group or K // G)
     return {"qweight": _pack_along_last(q).t().contiguous(), "qzeros": _pack_along_last(stored.t().contiguous()),
             "scales": scales.t().contiguous().to(torch.float16), "g_idx": g_idx.to(torch.int32)}
 
@@ -129,7 +132,7 @@ def _quantize_linear(fmt: str, prefix: str, w: torch.Tensor, group: int, symmetr
     if fmt == "ct-int4":
         return int4_as_compressed_tensors(q, scales, zeros, g_idx), real
     if fmt in ("gptq", "gptq_v2"):
-        return int4_as_gptq(q, scales, zeros, g_idx, v1=fmt == "gptq"), real
+        return int4_as_gptq(q, scales, zeros, g_idx, v1=fmt == "gptq", group=group), real
     if fmt == "awq":
         if act_order:
             raise ValueError("AWQ has no act-order")
@@ -154,6 +157,8 @@ def quantization_config(fmt: str, group: int, symmetric: bool, act_order: bool, 
                    "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
         return _ct("float-quantized", weights, acts, skip)
+    # act-order with a stored weight_g_idx is actorder "group" (compressed-tensors < 0.20, whose
+    # checkpoints are in use; 0.20 refuses the name and writes only "weight", where g_idx is k // group)
     weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric,
                "dynamic": False, "actorder": "group" if act_order else None}
     return _ct("pack-quantized", weights, None, skip)

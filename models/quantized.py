@@ -260,6 +260,32 @@ class FP8Experts(_StoredQuantized):
                 f"scales={self.block_n}x{self.block_k} blocks")
 
 
+def adopt_transformers_fp8(model: nn.Module) -> int:
+    """Replace transformers' own FP8Linear layers (integrations/finegrained_fp8.py, which a user may
+    build; its forward needs a Triton kernel downloaded from the hub at run time) by FP8Linear
+    holding the same tensors, in place; returns how many. Its static activation scale, if any, is
+    not used (activations stay in their dtype, as for every FP8Linear)."""
+    found = [(n, m) for n, m in model.named_modules()
+             if type(m).__name__ == "FP8Linear" and type(m).__module__.startswith("transformers.")]
+    for name, m in found:
+        w, s = m.weight.data, m.weight_scale_inv.data
+        N, K = w.shape
+        if m.block_size is None:
+            block = "tensor"
+        else:
+            block = tuple(int(b) for b in m.block_size)
+        if s.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: scales of dtype {s.dtype} (ue8m0?) are not read by metainfer's FP8 kernel")
+        layer = FP8Linear(K, N, block, bias=m.bias is not None)
+        layer.weight, layer.weight_scale = w, s.float().reshape(layer.weight_scale.shape)
+        if m.bias is not None:
+            layer.bias = nn.Parameter(m.bias.data, requires_grad=False)
+        layer.train(m.training)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    return len(found)
+
+
 QUANTIZED = (FP8Linear, Int4Linear)  # layers with rows() / columns() cuts for tensor parallelism
 
 

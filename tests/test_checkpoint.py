@@ -191,3 +191,26 @@ def test_a_library_written_compressed_tensors_checkpoint_loads(tmp_path):
             assert torch.allclose(got, w.float(), rtol=1e-3, atol=1e-6), name
         assert isinstance(loaded.model.layers[0].mlp.down_proj, FP8Linear if "fp8" in scheme else Int4Linear)
         assert isinstance(loaded.lm_head, nn.Linear)
+
+
+@pytest.mark.parametrize("fmt", ["ct-int4", "ct-fp8-channel", "ct-fp8-tensor"])
+def test_our_compressed_tensors_configs_validate_against_the_librarys_schema(fmt):
+    """The quantization_config we write for compressed-tensors formats is one the library's own
+    pydantic model accepts (act-order's legacy "group" name aside: see checkpoint_writers)."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from metainfer.checkpoint_writers import quantization_config
+
+    qc = quantization_config(fmt, 32, False, False, None, ("lm_head",))
+    parsed = ct.QuantizationConfig.model_validate({k: v for k, v in qc.items() if k != "quant_method"})
+    assert parsed.format == qc["format"] and parsed.ignore == ["lm_head"]
+
+
+def test_gptq_groups_with_a_partial_last_group(tmp_path):
+    """K = 96 in groups of 64: the last group holds 32 columns (g_idx k // 64, not k // (K / G))."""
+    model = tiny_hf_model("Llama", "sdpa", hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                          num_key_value_heads=2)
+    real = save_quantized(model, tmp_path, "gptq_v2", group=64)
+    loaded = load(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        want = dequantised_reference(model, real)(IDS).logits
+        assert (loaded(IDS).logits - want).abs().max().item() < 1e-4

@@ -96,6 +96,8 @@ def test_only_the_quantized_linear_is_rewritten(kind, act_order, pass_name):
     out = opt(x)
     assert opt.report.matches(pass_name) == 1  # not the float linear, not the sum of the weight
     assert torch.allclose(out[0], ref[0], atol=1e-5) and torch.allclose(out[1], ref[1], rtol=1e-5)
+    # act-order: the kernel reads x's columns through the permutation; no gathered copy of x is made
+    assert ("act-order columns read through perm" in opt.report.record(pass_name).decisions[0]) == act_order
 
 
 def test_fp8_scales_of_another_dtype_are_left_as_the_graph_has_them():
@@ -118,3 +120,29 @@ def test_the_layers_keep_their_stored_dtypes_and_refuse_what_they_cannot_hold():
         Int4Linear(60, 8, group=32)
     with pytest.raises(Exception, match="block_k must be a power of two"):
         FP8Linear(64, 48, block=(16, 24))
+
+
+def test_transformers_own_fp8_linear_is_adopted_and_fused():
+    """A model a user built with transformers' FP8Linear (its forward wants a hub kernel): optimize()
+    swaps each for metainfer's FP8Linear on the same tensors, and fp8_gemm fuses them."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear as HFFP8Linear
+
+    from metainfer.kernels import fp8_gemm
+
+    model = tiny_hf_model("Llama", "sdpa", layers=1)
+    ref = tiny_hf_model("Llama", "sdpa", layers=1)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not name.endswith("lm_head"):
+            hf = HFFP8Linear(m.in_features, m.out_features, block_size=(32, 32))
+            w8, s = fp8_gemm.quantize_weight(m.weight.detach(), 32, 32)
+            hf.weight.data.copy_(w8)
+            hf.weight_scale_inv.data.copy_(s)
+            ref.get_submodule(name).weight.data.copy_(fp8_gemm.dequantize(w8, s, 32, 32, torch.float32))
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, hf.eval())
+    opt = metainfer.optimize(model, "cpu", example_inputs=(IDS,), lowering="aot_eager")
+    with torch.no_grad():
+        assert (opt(IDS).logits - ref(IDS).logits).abs().max().item() < 1e-4
+    assert opt.report.matches("fp8_gemm") == 7
+    assert any("7 transformers FP8Linear layer(s) replaced" in n for n in opt.report.notes)
+    assert isinstance(model.model.layers[0].mlp.up_proj, FP8Linear)

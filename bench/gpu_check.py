@@ -497,13 +497,21 @@ def _autotune_candidates(dev, f):
 
 
 def _two_ranks(dev, f):
-    """Two gloo ranks on this machine (the one GPU shared): functional collectives on its
-    tensors, eager and compiled, against the sums each rank computes itself."""
+    """Ranks on this machine: functional collectives on their device's tensors, eager and
+    compiled, against the sums each rank computes itself. On CUDA the ranks use NCCL, one GPU
+    each (gloo's CUDA support is broadcast and all_reduce only; NCCL refuses two ranks on one
+    GPU): two ranks where two GPUs are visible, else one (the NCCL path, no peer). On CPU two
+    gloo ranks."""
     from metainfer.parallel import multirank
     from metainfer.testing import functional_collectives_check
 
+    cuda = dev == "cuda"
+    world = min(2, torch.cuda.device_count()) if cuda else 2
+    backend = "nccl" if cuda else "gloo"
+
     def run():
-        bad = [b for rank in multirank.run(functional_collectives_check, 2, args=(dev,), timeout_s=120) for b in rank]
+        bad = [b for rank in multirank.run(functional_collectives_check, world, args=(dev,), timeout_s=120,
+                                           backend=backend) for b in rank]
         if bad:
             raise AssertionError("; ".join(bad[:3]))
         return torch.zeros(1)

@@ -38,10 +38,25 @@ def _choose_triton_mode() -> None:
     if cpu_build:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         return
+    if _cuda_devices() == 0:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _cuda_devices() -> int:
+    """GPUs visible, counted without initialising CUDA in this process: torch.cuda.is_available()
+    initialises the CUDA runtime, after which processes forked from this one (a forkserver that
+    preloads metainfer, multirank's ranks) cannot use CUDA. NVML counts without that; where NVML
+    cannot answer, the device nodes do."""
+    import glob
+
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda._is_compiled():
+        return 0
+    count = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
+    if count >= 0:
+        return count
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 _choose_triton_mode()

@@ -202,6 +202,8 @@ def functional_collectives_check(rank: int, world_size: int, device: str) -> lis
     import torch.distributed._functional_collectives as fc
 
     group = dist.group.WORLD
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU (multirank sets it for NCCL)
     x = torch.arange(12, dtype=torch.float32, device=device) * (rank + 1)
     total = torch.arange(12, dtype=torch.float32, device=device) * sum(range(1, world_size + 1))
     gathered = torch.cat([torch.arange(12, dtype=torch.float32, device=device) * (r + 1) for r in range(world_size)])

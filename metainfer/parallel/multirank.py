@@ -113,6 +113,10 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, col
         # (bounded by the collective timeout) are made by ranks that are all there
         store.add(ARRIVED_KEY, 1)
         store.wait([GO_KEY])
+        if backend == "nccl":  # NCCL: one GPU a rank (two ranks on one device is an NCCL error)
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         store.add(READY_KEY, 1)
@@ -157,7 +161,8 @@ def _context():
 def run(fn: Callable, world_size: int, *, args: tuple = (), timeout_s: float = 120.0,
         collective_timeout_s: float | None = None, start_timeout_s: float = 300.0,
         backend: str = "gloo") -> list[Any]:
-    """fn(rank, world_size, *args) on `world_size` gloo ranks; returns each rank's result.
+    """fn(rank, world_size, *args) on `world_size` ranks (gloo; "nccl" for ranks on CUDA tensors:
+    gloo's CUDA support is broadcast and all_reduce only); returns each rank's result.
     `fn` must be importable (a module-level function) and its result picklable. The ranks
     have `start_timeout_s` to start and meet, then `timeout_s` for `fn`."""
     import torch.distributed as dist

@@ -159,6 +159,11 @@ def _device_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def arches() -> tuple[str, ...]:
+    """The GPU architectures the tables have rows of their own for (AOT compiles each)."""
+    return tuple(a for a in _ATTENTION if a.startswith("sm_"))
+
+
 def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.dtype | None = None
                     ) -> dict[str, Any]:
     """The table's row for `kernel` on `arch` ("interpreter", "sm_80", "sm_89", ...; an arch with

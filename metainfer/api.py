@@ -322,6 +322,23 @@ class OptimizedModel:
         return f"<metainfer.OptimizedModel of {type(self.model).__name__} for {self.target.name}>"
 
 
+def target_for_device(target, device_capability: tuple[int, int] | None):
+    """(target, note or None) as the GPU that runs it allows: one rule for optimize() and for
+    torch.compile(backend="metainfer") (targets.for_device with the kernel tables' architectures)."""
+    from metainfer.kernels import configs
+
+    return _targets.for_device(target, device_capability, configs.arches())
+
+
+def inputs_capability(tensors) -> tuple[int, int] | None:
+    """The compute capability of the GPU of the first CUDA tensor among `tensors` (None if none)."""
+    for t in tensors:
+        device = getattr(t, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return torch.cuda.get_device_capability(device)
+    return None
+
+
 def _gpu_capability(model: torch.nn.Module) -> tuple[int, int] | None:
     """The compute capability of the GPU holding the model's parameters (None off a GPU)."""
     param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
@@ -479,7 +496,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
 
     t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
-    t, arch_note = _targets.for_device(t, _gpu_capability(model))
+    t, arch_note = target_for_device(t, _gpu_capability(model))
     dist_notes = dist_notes + ([arch_note] if arch_note else [])
     if example_inputs is not None:
         check_devices(t, args, kwargs, what="example_inputs")

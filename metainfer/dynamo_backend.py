@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from metainfer import api
 from metainfer.api import resolve_target
 from metainfer.lowering.backend import MetainferBackend
 from metainfer.passes import resolve
@@ -22,10 +23,15 @@ def metainfer_backend(gm, example_inputs, options: dict | None = None, **unused)
         raise ValueError(f"unknown metainfer backend options {sorted(unknown)}; known: {list(_OPTION_KEYS)}")
     key = id(options)
     if _last["key"] != key or _last["backend"] is None:
-        target = resolve_target(opts.get("target", "cpu"))
+        # the GPU the graph runs on decides as it does for optimize() (an A100 under an sm_89
+        # target: no FP8 dot; an H100: sm_90's rows)
+        target, arch_note = api.target_for_device(resolve_target(opts.get("target", "cpu")),
+                                                  api.inputs_capability(example_inputs))
         passes, disabled, explicit = resolve(target, opts.get("passes"), opts.get("disable", ()))
-        _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit,
-                                            report=Report(target, [p.name for p in passes]),
+        report = Report(target, [p.name for p in passes])
+        if arch_note:
+            report.notes.append(arch_note)
+        _last["backend"] = MetainferBackend(target, passes, disabled, explicit=explicit, report=report,
                                             lowering=opts.get("lowering", "inductor"),
                                             options=opts.get("pass_options"), cache_dir=opts.get("cache_dir"))
         _last["key"] = key

@@ -33,3 +33,44 @@ def test_importing_metainfer_never_initialises_cuda(tmp_path, gpus, interpret):
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[0] == f"[] False {interpret}"  # no is_available(), CUDA untouched
+
+
+def test_a_newer_gpu_with_rows_of_its_own_takes_them():
+    """Item 6: an H100 (sm_90) under the sm_89 `cuda` target runs sm_90's rows (which AOT compiles),
+    not the Ada rows; a GPU newer than every table keeps the declared rows."""
+    from metainfer.api import target_for_device
+    from metainfer.hardware import targets
+    from metainfer.kernels import configs
+
+    assert "sm_90" in configs.arches() and "sm_89" in configs.arches()
+    cuda = targets.get("cuda")
+    assert cuda.device.arch == "sm_89"
+    hopper, note = target_for_device(cuda, (9, 0))
+    assert hopper.device.arch == "sm_90" and "newer, with kernel rows of its own" in note
+    blackwell, note = target_for_device(cuda, (10, 0))
+    assert blackwell is cuda and note is None
+
+
+def test_torch_compile_resolves_the_target_against_the_device_as_optimize_does(monkeypatch):
+    """Item 7: the Dynamo backend goes through the same target_for_device as optimize() (on an
+    A100 an sm_89 target's FP8 decisions would otherwise raise inside the graph). On CPU the
+    capability is None: the call is what is checked."""
+    import torch
+
+    import metainfer
+    from metainfer import api, dynamo_backend
+
+    seen = []
+    real = api.target_for_device
+
+    def spy(target, capability):
+        seen.append(capability)
+        return real(target, capability)
+
+    monkeypatch.setattr(api, "target_for_device", spy)
+    model = torch.nn.Linear(8, 8).eval()
+    compiled = torch.compile(model, backend="metainfer", options={"target": "cpu", "lowering": "aot_eager"})
+    compiled(torch.randn(2, 8))
+    assert seen == [None]
+    assert metainfer.last_report() is dynamo_backend.last_report()
+    assert api.inputs_capability([torch.zeros(1)]) is None

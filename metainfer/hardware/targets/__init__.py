@@ -151,18 +151,27 @@ def capability(arch: str) -> tuple[int, int] | None:
     return int(arch[3:-1]), int(arch[-1])
 
 
-def for_device(target: "Target", device_capability: tuple[int, int] | None) -> tuple["Target", str | None]:
+def for_device(target: "Target", device_capability: tuple[int, int] | None,
+               arches_with_rows: tuple[str, ...] = ()) -> tuple["Target", str | None]:
     """The target as the GPU it will run on allows: a device older than the target's architecture
     (an A100, sm_80, under a target written for sm_89) makes kernels and passes decide for the
-    device's; returns the target and a note for the report (None if unchanged)."""
+    device's; a newer one (an H100 under the sm_89 `cuda` target) does too where the kernel
+    tables have rows for it (`arches_with_rows`; else the declared rows, which it also runs).
+    Returns the target and a note for the report (None if unchanged)."""
     if target.device.kind != "cuda" or device_capability is None:
         return target, None
     declared = capability(target.device.arch)
-    if declared is not None and tuple(device_capability) >= declared:
-        return target, None
     arch = f"sm_{device_capability[0]}{device_capability[1]}"
-    note = (f"target {target.name} declares {target.device.arch or 'no architecture'}; this GPU is {arch}: kernels "
-            f"and passes decide for {arch}")
+    if declared is not None and tuple(device_capability) == declared:
+        return target, None
+    if declared is not None and tuple(device_capability) > declared:
+        if arch not in arches_with_rows:
+            return target, None
+        note = (f"target {target.name} declares {target.device.arch}; this GPU is {arch}, newer, with kernel rows of "
+                f"its own: kernels and passes use {arch}'s")
+    else:
+        note = (f"target {target.name} declares {target.device.arch or 'no architecture'}; this GPU is {arch}: "
+                f"kernels and passes decide for {arch}")
     return dataclasses.replace(target, device=dataclasses.replace(target.device, arch=arch)), note
 
 

@@ -18,8 +18,8 @@ experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and 
 99 KiB (float32 heads of 256, MLA's latent of 1024), sparse attention's unselected rows redone
 on the device, the token check's position of the first bad id, ten ops through
 `torch.ops.metainfer` (the custom-op bodies compiled graphs call), every autotune candidate of
-the GPU's attention and fp8_gemm rows run once as a fixed config, two gloo ranks sharing the GPU
-running functional collectives on its tensors (eager and compiled), and a tiny Hugging Face
+the GPU's attention and fp8_gemm rows run once as a fixed config, NCCL ranks (one a GPU, up to
+two) running functional collectives on their tensors (eager and compiled), and a tiny Hugging Face
 Llama optimized for the GPU whose generate() (growing cache; static cache, its decode replayed
 from CUDA graphs, the replays counted; prompt-lookup speculation) and generate_batch() tokens
 must equal eager's. The kernels use the config rows of the GPU's own architecture (sm_90 on
@@ -27,9 +27,17 @@ Hopper). On a GPU each check stops after --timeout seconds; --json FILE writes t
 first call of a shape runs triton.autotune over the config row's candidates, untimed (`run`
 calls each kernel once before timing it). Then GEMM TFLOP/s, memory bandwidth and launch
 overhead (bench/calibrate_gpu.py's measurements). Written for torch 2.11 / Triton 3.6 as well
-as this project's pins. Budget: under 8 minutes on an H100-class GPU, an estimate from
-counting, not a run: ~72 kernel specialisations JIT-compiled at 1-3 s each, the end-to-end
-check's Inductor compiles (~1-2 min), ~40 do_bench timings of ~0.1-0.3 s, calibration ~30 s.
+as this project's pins.
+
+Every check states its peak GPU memory at full size and its estimated time on one H100 (the
+Check's peak_gib / est_s; how they are estimated is written beside the Check class). On a GPU a
+check whose measured peak (torch.cuda.max_memory_allocated, reset before it) passes its statement
+fails, naming both; a check stating more than 92% of the device's memory is skipped by name.
+Budget: the estimates add to ~380 s, plus calibration ~30 s (under 8 minutes); `--quick` (one
+check per kernel family, the collectives, no end-to-end row) to ~110 s, what a short lease runs
+first:
+
+    python bench/gpu_check.py --quick --json quick.json && python bench/gpu_check.py --json full.json
 """
 
 from __future__ import annotations
@@ -67,6 +75,16 @@ class Check:
     kernel: str
     case: str
     build: Callable[[str, float], dict]  # (device, size factor) -> {"ours", "reference", "torch", "dtype"}
+    peak_gib: float = 1.0  # stated peak GPU memory at full size (inputs, weights, reference); a run above it fails
+    est_s: float = 5.0  # estimated seconds on one H100 (see ESTIMATES)
+    quick: bool = False  # in --quick, the first run of a short lease
+
+
+# How est_s is estimated (counted, not run: no GPU has been lent yet): each Triton specialisation
+# JIT-compiles in ~1-3 s (2 s counted), each do_bench of ours and of torch's path ~0.2 s plus the
+# call's own time; a reference's time from its FLOPs at ~25 TFLOP/s (fp32 without TF32); Inductor
+# compiles of the end-to-end check ~15 s each (ESTIMATES). Peaks: the tensors a build makes, the reference's
+# largest temporaries (fp32 score matrices, expanded K/V), rounded up.
 
 
 def _bench(fn) -> float:
@@ -238,8 +256,8 @@ def _moe(dev, f):
     x = torch.randn(T, H, device=dev, dtype=dt)
     ids = torch.stack([torch.randperm(E, device=dev)[:top] for _ in range(T)]).to(torch.int32)
     tw = torch.rand(T, top, device=dev)
-    wg, wu = (torch.randn(E, I, H, device=dev, dtype=dt) / H ** 0.5 for _ in range(2))
-    wd = torch.randn(E, H, I, device=dev, dtype=dt) / I ** 0.5
+    wg, wu = (torch.randn(E, I, H, device=dev, dtype=dt).div_(H ** 0.5) for _ in range(2))  # in place: no copy
+    wd = torch.randn(E, H, I, device=dev, dtype=dt).div_(I ** 0.5)
     cfg = config_for("moe", x.device)
     args = (x, ids, tw, wg, wu, wd)
     return {"ours": lambda: K.moe.launch(*args, config=cfg), "reference": lambda: K.moe.reference(*args),
@@ -278,12 +296,15 @@ def _moe_decode(dev, f):
     tw = torch.rand(T, top, device=dev)
     fp8 = dev != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
 
-    def weights(n, k):
-        w = torch.randn(E, n, k, device=dev) / k ** 0.5
+    def weights(n, k):  # expert by expert: a whole fp32 stack would be 14 GiB per projection
+        w = torch.empty(E, n, k, device=dev, dtype=torch.float8_e4m3fn if fp8 else dt)
+        for e in range(E):
+            we = torch.randn(n, k, device=dev) / k ** 0.5
+            w[e] = (we * 8).clamp(-448, 448).to(w.dtype) if fp8 else we.to(dt)
         if not fp8:
-            return w.to(dt), None
+            return w, None
         s = torch.rand(E, -(-n // 128), -(-k // 128), device=dev) + 0.5
-        return (w * 8).clamp(-448, 448).to(torch.float8_e4m3fn), s / 8
+        return w, s / 8
 
     (wg, sg), (wu, su), (wd, sd) = weights(I, H), weights(I, H), weights(H, I)
     args = (x, ids, tw, wg, wu, wd, sg, su, sd, 128, 128)
@@ -563,39 +584,41 @@ def _end_to_end(dev, f):
 
 
 CHECKS = [
-    Check("attention", "prefill causal 1x32/8x4096 d128", _attention(False)),
-    Check("attention", "decode 64x1 over 4096 keys", _attention(True)),
-    Check("attention", "decode 1x1 over 16384 keys, split", _attention(True, batch=1, keys=16384)),
-    Check("paged_attention", "prefill chunks 8x512 after 2048", _paged(False)),
-    Check("paged_attention", "decode 64 requests over 2048", _paged(True)),
-    Check("rmsnorm", "4096 x 4096", _rmsnorm),
-    Check("glu", "silu 4096 x 14336", _glu("silu", 14336)),
-    Check("glu", "gelu_tanh 4096 x 16384", _glu("gelu_tanh", 16384)),
-    Check("rope", "1x32x4096 d128", _rope),
-    Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16)),
-    Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048)),
-    Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096)),
-    Check("fp8_gemm", "W8A16 per-channel decode M=8, 4096^2 split-K", _fp8_channel_gemm(8, False)),
-    Check("fp8_gemm", "W8A8 per-channel, per-token prefill M=2048, 4096^2", _fp8_channel_gemm(2048, True)),
-    Check("int4_gemm", "W4A16 decode M=1, 4096^2, group 128 (GEMV)", _int4_gemm(1)),
-    Check("int4_gemm", "W4A16 decode M=16, 4096^2, group 128 (tiles)", _int4_gemm(16)),
-    Check("int4_gemm", "W4A16 prefill M=4096, 4096^2, group 128", _int4_gemm(4096)),
-    Check("moe", "256 experts top-8, 2048 tokens", _moe),
-    Check("moe", "routing sort at ALIGN_MAX_PAIRS: one program vs torch ops", _moe_align),
-    Check("moe", "decode at GEMV_MAX_PAIRS, DeepSeek experts: matrix-vector vs sorted tiles", _moe_decode),
-    Check("sparse_attention", "top-2048 of 8192, 64 heads", _sparse),
-    Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096)),
-    Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192)),
-    Check("token_ids", "64 x 4096 ids", _token_ids),
-    Check("token_ids", "64 x 4096 ids, two out of range", _bad_token_ids),
-    Check("attention", "fp32 d256 prefill 1x4x512 (wide-head row)", _wide_fp32_attention),
-    Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla(8, 2048, latent=1024)),
-    Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled),
-    Check("dispatch", "10 ops via torch.ops.metainfer", _dispatch),
-    Check("autotune", "every attention / fp8_gemm candidate of this arch, fixed", _autotune_candidates),
-    Check("collectives", "2 gloo ranks: functional collectives, eager and compiled", _two_ranks),
+    Check("attention", "prefill causal 1x32/8x4096 d128", _attention(False), 8, 6, quick=True),
+    Check("attention", "decode 64x1 over 4096 keys", _attention(True), 12, 6),
+    Check("attention", "decode 1x1 over 16384 keys, split", _attention(True, batch=1, keys=16384), 1, 5),
+    Check("paged_attention", "prefill chunks 8x512 after 2048", _paged(False), 2, 6),
+    Check("paged_attention", "decode 64 requests over 2048", _paged(True), 4, 6, quick=True),
+    Check("rmsnorm", "4096 x 4096", _rmsnorm, 1, 3, quick=True),
+    Check("glu", "silu 4096 x 14336", _glu("silu", 14336), 2, 3, quick=True),
+    Check("glu", "gelu_tanh 4096 x 16384", _glu("gelu_tanh", 16384), 2, 3),
+    Check("rope", "1x32x4096 d128", _rope, 1, 3, quick=True),
+    Check("fp8_gemm", "W8A16 decode M=16, 7168^2", _fp8_gemm(16), 2, 5, quick=True),
+    Check("fp8_gemm", "W8A16 decode M=4, 2048x7168 split-K", _fp8_gemm(4, n=2048), 1, 5),
+    Check("fp8_gemm", "W8A16 prefill M=4096, 7168^2", _fp8_gemm(4096), 2, 5),
+    Check("fp8_gemm", "W8A16 per-channel decode M=8, 4096^2 split-K", _fp8_channel_gemm(8, False), 1, 5),
+    Check("fp8_gemm", "W8A8 per-channel, per-token prefill M=2048, 4096^2", _fp8_channel_gemm(2048, True), 1, 5),
+    Check("int4_gemm", "W4A16 decode M=1, 4096^2, group 128 (GEMV)", _int4_gemm(1), 1, 4, quick=True),
+    Check("int4_gemm", "W4A16 decode M=16, 4096^2, group 128 (tiles)", _int4_gemm(16), 1, 4),
+    Check("int4_gemm", "W4A16 prefill M=4096, 4096^2, group 128", _int4_gemm(4096), 1, 5),
+    Check("moe", "256 experts top-8, 2048 tokens", _moe, 26, 20),
+    Check("moe", "routing sort at ALIGN_MAX_PAIRS: one program vs torch ops", _moe_align, 1, 3),
+    Check("moe", "decode at GEMV_MAX_PAIRS, DeepSeek experts: matrix-vector vs sorted tiles", _moe_decode, 24, 15,
+          quick=True),
+    Check("sparse_attention", "top-2048 of 8192, 64 heads", _sparse, 6, 6, quick=True),
+    Check("mla_decode", "64 x 16 heads over 4096, R512 P64", _mla(64, 4096), 3, 5, quick=True),
+    Check("mla_decode", "1 x 16 heads over 8192, cache split", _mla(1, 8192), 1, 5),
+    Check("token_ids", "64 x 4096 ids", _token_ids, 1, 2, quick=True),
+    Check("token_ids", "64 x 4096 ids, two out of range", _bad_token_ids, 1, 2),
+    Check("attention", "fp32 d256 prefill 1x4x512 (wide-head row)", _wide_fp32_attention, 1, 4),
+    Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla(8, 2048, latent=1024), 1, 4),
+    Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled, 2, 5),
+    Check("dispatch", "10 ops via torch.ops.metainfer", _dispatch, 2, 25, quick=True),
+    Check("autotune", "every attention / fp8_gemm candidate of this arch, fixed", _autotune_candidates, 2, 60),
+    Check("collectives", "ranks on their GPUs (NCCL): functional collectives, eager and compiled", _two_ranks, 1, 25,
+          quick=True),
     Check("end_to_end", "tiny Llama: generate (dynamic, static/CUDA graphs, prompt lookup) + generate_batch = eager",
-          _end_to_end),
+          _end_to_end, 2, 120),  # not in --quick: its Inductor compiles alone are about two minutes
 ]
 
 
@@ -624,9 +647,20 @@ def _time_limit(seconds: int):
 
 def run(checks, device: str, size: float, timeout: int = 0) -> list[dict]:
     rows = []
+    gpu = device == "cuda"
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpu else math.inf
     for c in checks:
-        row = {"kernel": c.kernel, "case": c.case}
+        row = {"kernel": c.kernel, "case": c.case, "stated_peak_gib": c.peak_gib, "est_s": c.est_s}
+        if c.peak_gib > 0.92 * total:  # skipped by name: this device is smaller than the check
+            row.update(ok=True, skipped=f"needs {c.peak_gib} GiB, this GPU has {total:.0f} GiB")
+            rows.append(row)
+            print(_line(row), flush=True)
+            continue
         t0 = time.perf_counter()
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        b = None
         try:
             with _time_limit(timeout):
                 b = c.build(device, size)
@@ -646,6 +680,11 @@ def run(checks, device: str, size: float, timeout: int = 0) -> list[dict]:
                     row["speedup"] = row["torch_ms"] / row["ours_ms"] if row["ours_ms"] > 0 else math.nan
         except Exception as e:  # noqa: BLE001 - one failing kernel must not hide the others
             row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        del b
+        if gpu:  # the check's own peak (reset above), held to what it states
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if row["peak_gib"] > c.peak_gib and "error" not in row:
+                row.update(ok=False, error=f"peak {row['peak_gib']} GiB over the stated {c.peak_gib} GiB")
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(_line(row), flush=True)
@@ -653,6 +692,8 @@ def run(checks, device: str, size: float, timeout: int = 0) -> list[dict]:
 
 
 def _line(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['kernel']:16s} {r['case']:36s} SKIPPED {r['skipped']}"
     if "error" in r:
         return f"{r['kernel']:16s} {r['case']:36s} FAILED {r['error']}"
     return (f"{r['kernel']:16s} {r['case']:36s} {'ok' if r['ok'] else 'WRONG':5s} max diff {r['max_diff']:.2e}  "
@@ -681,8 +722,13 @@ def main(argv=None) -> int:
                     "where a hung kernel must not spend the device's budget; none in a dry run, whose "
                     "time is the machine's load and whose caller bounds the whole run)")
     ap.add_argument("--json", metavar="FILE", help="write the rows here as JSON")
+    ap.add_argument("--quick", action="store_true", help="one check per kernel family and the end-to-end row "
+                    "(estimated under 3 minutes on an H100): what a short lease runs first")
     a = ap.parse_args(argv)
-    checks = [c for c in CHECKS if not a.only or c.kernel in a.only]
+    checks = [c for c in CHECKS if (not a.only or c.kernel in a.only) and (not a.quick or c.quick)]
+    est = sum(c.est_s for c in checks)
+    print(f"{len(checks)} checks, stated peak at most {max(c.peak_gib for c in checks)} GiB, estimated {est:.0f} s on "
+          "one H100 (counted: JIT compiles, timings, reference FLOPs; see ESTIMATES in the source)")
     if a.dry_run:
         print("dry run: every check at a tiny size through Triton's interpreter on CPU (timings mean nothing)")
         device, size = "cpu", 1 / 128

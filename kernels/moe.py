@@ -660,18 +660,19 @@ def _reference_weights(w: torch.Tensor, s: torch.Tensor | None, block_n: int, bl
 
 def reference(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_up=None, s_down=None,
               block_n: int = 128, block_k: int = 128) -> torch.Tensor:
-    """Dense float32 math over every expert (all weights dequantised at once): the oracle for tests."""
+    """Dense float32 math over every token for every expert, one expert's weights dequantised at a
+    time (DeepSeek-V3's 256 experts in fp32 at once would be 42 GiB): the oracle for tests and
+    gpu_check."""
     check_inputs(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate, s_up, s_down, block_n, block_k)
     E = w_gate.shape[0]
-    wg = _reference_weights(w_gate, s_gate, block_n, block_k)
-    wu = _reference_weights(w_up, s_up, block_n, block_k)
-    wd = _reference_weights(w_down, s_down, block_n, block_k)
+    one = lambda w, s, e: _reference_weights(w[e:e + 1], None if s is None else s[e:e + 1], block_n, block_k)[0]  # noqa: E731
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(E):
-        h = (torch.nn.functional.silu(xf @ wg[e].T) * (xf @ wu[e].T)).to(x.dtype).float()
+        wg, wu, wd = one(w_gate, s_gate, e), one(w_up, s_up, e), one(w_down, s_down, e)
+        h = (torch.nn.functional.silu(xf @ wg.T) * (xf @ wu.T)).to(x.dtype).float()
         coef = (topk_weights.float() * (topk_ids == e)).sum(dim=1)  # (T,), 0 for tokens not routed here
-        out += coef[:, None] * (h @ wd[e].T)
+        out += coef[:, None] * (h @ wd.T)
     return out.to(x.dtype)
 
 

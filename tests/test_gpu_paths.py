@@ -74,3 +74,28 @@ def test_torch_compile_resolves_the_target_against_the_device_as_optimize_does(m
     assert seen == [None]
     assert metainfer.last_report() is dynamo_backend.last_report()
     assert api.inputs_capability([torch.zeros(1)]) is None
+
+
+def test_the_engines_cuda_graphs_are_off_by_construction(monkeypatch):
+    """Item 2: on a GPU transformers' engine turns its CUDA graphs on for an attention whose name
+    says "flash" (metainfer's must, to be admitted), and replayed padded steps never reach
+    metainfer. metainfer owns the steps: the config it hands the engine has them off, which the
+    engine's own decision keeps on a pretend GPU; asking for them is refused by name."""
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import initialization
+
+    import metainfer
+    from metainfer.runtime import serving
+    from metainfer.testing import tiny_hf_model
+
+    opt = metainfer.optimize(tiny_hf_model("Llama", "sdpa"), "cpu", lowering="aot_eager")
+    cfg, _ = serving._engine_config(opt, ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64), None)
+    assert cfg.use_cuda_graph == (False, False)
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "cuda")
+    left_open = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
+    initialization.decide_use_cuda_graphs(left_open, is_attn_mask_needed=False, cuda_graph_requested=False)
+    assert left_open.use_cuda_graph == (True, True)  # what the engine would do left to itself
+    initialization.decide_use_cuda_graphs(cfg, is_attn_mask_needed=False, cuda_graph_requested=False)
+    assert cfg.use_cuda_graph == (False, False)
+    with pytest.raises(ValueError, match="replay its padded steps without metainfer"):
+        serving._engine_config(opt, ContinuousBatchingConfig(use_cuda_graph=True), None)

@@ -384,6 +384,13 @@ def _engine_config(opt, cb_config, request_tokens: list[int] | None):
     from transformers import ContinuousBatchingConfig
 
     cfg = ContinuousBatchingConfig() if cb_config is None else cb_config
+    if any(cfg.cuda_graph_booleans):
+        raise ValueError(f"continuous_batching_config.use_cuda_graph={cfg.use_cuda_graph!r}: the engine's CUDA graphs "
+                         "replay its padded steps without metainfer (no pass, no paged kernel's decode split); "
+                         "metainfer runs every step itself, leave use_cuda_graph unset or False")
+    # metainfer owns the steps: the engine's CUDA graphs off by construction (its heuristic turns
+    # them on for attention whose name says "flash", as metainfer's must to be admitted)
+    cfg = dataclasses.replace(cfg, use_cuda_graph=(False, False))
     page = cfg.page_size
     batch_tokens = cfg.max_batch_tokens or ENGINE_MAX_BATCH_TOKENS
     given = "given" if cfg.max_batch_tokens else "the engine's default"

@@ -10,7 +10,9 @@ the peers (`rendezvous`) by select_collectives at pass time (`reserve`), before 
 one-/two-shot: where the allocation or the exchange fails (a container that refuses CUDA IPC)
 the pass declines with the reason and the graph never holds the op. Buffers belong to the
 optimized models whose graphs use them (`owned_by`) and are freed when the last one is. A graph
-Inductor served from its cache did not run the pass: its op allocates on first use, unowned.
+Inductor serves from its cache did not run the pass: the pass recorded each buffer with its
+record (PassResult.resources), and lowering/backend.py reserves them when it loads the graph,
+owned as at compile time; the op's own allocation on first use is the last resort.
 """
 
 from __future__ import annotations

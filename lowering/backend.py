@@ -253,6 +253,7 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
             if cached is not None:
                 if section is not None:
                     section.records, section.from_cache = cached, True
+                reserve_resources(cached)
                 return compiled
             compiled = _inductor(gm, example_inputs, manager, caches=False, cuda_graphs=cuda_graphs)
         compile_cache.store(root, key, manager.records)
@@ -260,6 +261,22 @@ def compile_graph(gm, example_inputs, passes, target, *, disabled=(), explicit=F
         section.records = manager.records
         section.schedule, section.simulation_error = manager.schedule, manager.simulation_error
     return compiled
+
+
+def reserve_resources(records) -> None:
+    """What a graph served from Inductor's cache needs allocated, reserved now as its passes did
+    when they compiled it (in this model's ownership, see symm_mem.owned_by), not inside the first
+    call: the symmetric buffers select_collectives exchanged with the peers."""
+    for rec in records:
+        for kind, *spec in rec.resources:
+            if kind == "symm_mem":
+                from metainfer.kernels import symm_mem
+
+                group, dtype, numel = spec
+                why = symm_mem.reserve(group, getattr(torch, dtype), int(numel))
+                if why is not None:
+                    raise RuntimeError(f"a cached graph's symmetric buffer ({numel} x {dtype} over {group}) could not "
+                                       f"be reserved: {why}")
 
 
 def _inductor(gm, example_inputs, manager: PassManager, caches: bool, cuda_graphs: bool = False):

@@ -29,6 +29,9 @@ class PassResult:
     matches: int = 0
     decisions: list[str] = field(default_factory=list)  # one line per rewrite: where, what, why
     near_misses: list[str] = field(default_factory=list)  # patterns seen but not rewritten, and why
+    # what the rewritten graph needs allocated before it runs, reserved at pass time and again
+    # when Inductor's cache serves the graph without the passes: ("symm_mem", group, dtype, numel)
+    resources: list[tuple] = field(default_factory=list)
 
 
 @dataclass

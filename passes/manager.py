@@ -58,6 +58,7 @@ class PassRecord:
     floor_after_s: float | None = None
     exposed_before_s: float | None = None  # communication the compute stream waits for
     exposed_after_s: float | None = None
+    resources: list = field(default_factory=list)  # PassResult.resources, as lists (JSON)
 
     @property
     def gap_to_floor(self) -> float | None:
@@ -212,6 +213,7 @@ class PassManager(CustomGraphPass):
             rec.matches = result.matches
             rec.decisions = list(result.decisions)
             rec.near_misses = list(result.near_misses)
+            rec.resources = [list(r) for r in result.resources]
             rec.nodes_after = len(graph.nodes)
             if result.modified and self.keep_graphs:
                 rec.graph_before, rec.graph_after = before, graph_text(graph)

@@ -162,6 +162,9 @@ class SelectCollectives(Pass):
             narrow = (kind == "all_reduce" and low is not None and val.dtype.is_floating_point
                       and val.element_size() > low.itemsize)
             chosen, head = _choose(node, kind, site, ctx.target, low if narrow else None, res.near_misses)
+            if chosen in ("one_shot", "two_shot"):  # its buffer, reserved in _choose; again on a cache hit
+                dtype = (low if narrow else None) or val.dtype
+                res.resources.append(("symm_mem", node.args[2], str(dtype).replace("torch.", ""), val.numel()))
             if chosen == "ring" and not narrow:
                 res.decisions.append(head + " (kept)")
                 continue

@@ -275,7 +275,7 @@ def symmetric_memory_selection(rank, world, available, refusing_rank=None):
     t, _ = distributed.prepare(model, targets.get("pcie8"), emulate=True, tensor_parallel=world)
     report = metainfer.analyze(model, t, example_inputs=(ids,), passes=["select_collectives"])
     rec = report.record("select_collectives")
-    return rec.decisions, rec.graph_after or "", rec.near_misses
+    return rec.decisions, rec.graph_after or "", rec.near_misses, rec.resources
 
 
 def low_precision_run(rank, world):
@@ -585,9 +585,11 @@ def test_experts_that_do_not_split_are_refused():
 
 def test_one_shot_only_where_symmetric_memory_exists():
     pretend = multirank.run(symmetric_memory_selection, 2, args=(True,), timeout_s=TIMEOUT_S)
-    decisions, graph, _ = pretend[0]
+    decisions, graph, _, resources = pretend[0]
     assert all("one-shot" in d.split(": ", 2)[2].split(",")[0] for d in decisions), decisions
     assert "metainfer.symm_mem_all_reduce" in graph and "_c10d_functional.all_reduce" not in graph
+    # each buffer the rewritten graph needs, recorded for a warm start from Inductor's cache
+    assert len(resources) == len(decisions) and all(r[0] == "symm_mem" and r[2] == "float32" for r in resources)
     real = multirank.run(symmetric_memory_selection, 2, args=(False,), timeout_s=TIMEOUT_S)
     assert not any("one-shot, predicted" in d for d in real[0][0]), "never selected on CPU"
 
@@ -596,8 +598,8 @@ def test_symmetric_memory_that_cannot_be_allocated_is_declined_by_every_rank():
     """The buffer is allocated and exchanged at pass time: where one rank's allocation fails,
     every rank keeps off one-/two-shot and says why."""
     results = multirank.run(symmetric_memory_selection, 2, args=(True, 1), timeout_s=TIMEOUT_S)
-    for decisions, graph, near in results:
-        assert "metainfer.symm_mem_all_reduce" not in graph
+    for decisions, graph, near, resources in results:
+        assert "metainfer.symm_mem_all_reduce" not in graph and resources == []
         assert not any("one-shot, predicted" in d for d in decisions)
         declined = [n for n in near if "not one-shot" in n]
         assert declined and all("failed on member 1 of the group: RuntimeError: CUDA IPC refused" in n

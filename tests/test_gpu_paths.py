@@ -99,3 +99,27 @@ def test_the_engines_cuda_graphs_are_off_by_construction(monkeypatch):
     assert cfg.use_cuda_graph == (False, False)
     with pytest.raises(ValueError, match="replay its padded steps without metainfer"):
         serving._engine_config(opt, ContinuousBatchingConfig(use_cuda_graph=True), None)
+
+
+def test_a_cached_graphs_symmetric_buffers_are_reserved_at_load(monkeypatch, tmp_path):
+    """Item 8: the buffers select_collectives reserved when it compiled a graph are recorded with
+    its pass record, kept through metainfer's record cache, and reserved again when Inductor's
+    cache serves the graph (in the model's ownership), not allocated lazily inside the op."""
+    from metainfer.kernels import symm_mem
+    from metainfer.lowering import backend, compile_cache
+    from metainfer.passes.manager import PassRecord
+
+    rec = PassRecord(name="select_collectives", ran=True, resources=[["symm_mem", "0", "bfloat16", 4096]])
+    key = "k" * 16
+    compile_cache.store(tmp_path, key, [rec])
+    (loaded,) = compile_cache.load(tmp_path, key)
+    assert loaded.resources == [["symm_mem", "0", "bfloat16", 4096]]
+    calls = []
+    monkeypatch.setattr(symm_mem, "reserve", lambda *a: calls.append(a) or None)
+    backend.reserve_resources([loaded])
+    import torch
+
+    assert calls == [("0", torch.bfloat16, 4096)]
+    monkeypatch.setattr(symm_mem, "reserve", lambda *a: "RuntimeError: CUDA IPC refused")
+    with pytest.raises(RuntimeError, match="could not be reserved: RuntimeError: CUDA IPC refused"):
+        backend.reserve_resources([loaded])

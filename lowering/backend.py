@@ -14,6 +14,7 @@ the caches off so the report is never empty.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import time
 from typing import Any, Callable
@@ -200,6 +201,8 @@ class MetainferBackend:
             compiled = self._capturing(compiled, original)
         if self.time_calls:
             compiled = timed(compiled, section.call_seconds)
+        if section.cuda_graphs:
+            compiled = marked_section(compiled, section.index)
         return compiled
 
     def _capturing(self, compiled, original: torch.fx.GraphModule):
@@ -223,6 +226,22 @@ def uses_cuda_graphs(target, lowering: str, enabled: bool, replayable: bool) -> 
     over a static cache; its lengths are read from device tensors). A cache that grows every step
     would capture a graph per step."""
     return enabled and replayable and target.device.kind == "cuda" and lowering == "inductor"
+
+
+# The index of the CUDA-graph section running now (None outside one): what lets a check count the
+# replays of metainfer's own graphs (torch.cuda.CUDAGraph.replay while it is set), not the engine's.
+RUNNING_SECTION: contextvars.ContextVar = contextvars.ContextVar("metainfer_running_section", default=None)
+
+
+def marked_section(compiled: Callable, index: int) -> Callable:
+    def run(*args):
+        token = RUNNING_SECTION.set(index)
+        try:
+            return compiled(*args)
+        finally:
+            RUNNING_SECTION.reset(token)
+
+    return run
 
 
 def timed(compiled: Callable, seconds: list) -> Callable:

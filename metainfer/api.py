@@ -48,6 +48,22 @@ def _static_cache(kwargs) -> bool:
     return bool(getattr(cache, "is_compileable", False))
 
 
+def _mark_static_addresses(kwargs) -> None:
+    """A static cache's tensors as fixed addresses for the graphs that mutate them. transformers
+    marks them when it allocates them, except inside a Dynamo trace, which is where metainfer's
+    compiled prefill allocates them: unmarked, Inductor would skip CUDA graphs for the decode
+    ("mutated inputs"). Marked here before each compiled call (a no-op once marked)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values", "cumulative_length"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and getattr(t, "_dynamo_static_input_type", None) is None:
+                torch._dynamo.mark_static_address(t)
+
+
+STATIC_CACHE_MIN = 256  # the smallest static cache metainfer keeps; longer ones by powers of two
+
+
 class CallTimes:
     """The seconds each observed call took, handed to its callback without stalling the host.
 
@@ -179,6 +195,9 @@ class OptimizedModel:
             kwargs.setdefault("disable_compile", True)
         spec = speculative.prepare(self, args, kwargs, draft_length,
                                    batch=ids.shape[0] if ids is not None and ids.dim() > 1 else 1)
+        if spec is None and ids is not None and self._wants_static_cache(kwargs):
+            kwargs = {**kwargs, "past_key_values": self._static_cache_for(ids, kwargs)}
+            kwargs.pop("cache_implementation", None)
         if spec is None:
             steps = itertools.count()
             with self._installed(lambda kw, n: "prefill" if next(steps) == 0 else "decode"):
@@ -190,6 +209,37 @@ class OptimizedModel:
                 stack.enter_context(spec.drafter._installed(lambda kw, n: "draft", observe=spec.observe_draft,
                                                             symbolic=lambda kw, n: True))
             return self.model.generate(*args, **kwargs)
+
+    def _wants_static_cache(self, kwargs) -> bool:
+        if "past_key_values" in kwargs or "cache" in kwargs:
+            return False  # the caller's own cache
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        return kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) == "static"
+
+    def _static_cache_for(self, ids: torch.Tensor, kwargs):
+        """One StaticCache per batch size, dtype and length bucket, kept by this OptimizedModel and
+        reset per call: its tensors keep their addresses, so the decode graph's CUDA graphs are
+        replayed by every later generate() instead of re-recorded for a new cache each call.
+        Lengths are bucketed by powers of two from STATIC_CACHE_MIN (capped at the model's
+        positions): longer masked keys do not change the tokens."""
+        from transformers import StaticCache
+
+        config = kwargs.get("generation_config") or self.model.generation_config
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        need = ids.shape[-1] + new if new is not None else kwargs.get("max_length", config.max_length)
+        bucket = max(STATIC_CACHE_MIN, 1 << (int(need) - 1).bit_length())
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and need <= limit:
+            bucket = min(bucket, limit)
+        batch = ids.shape[0] if ids.dim() > 1 else 1
+        key = (batch, bucket, self.model.dtype, ids.device)
+        caches = self.__dict__.setdefault("_static_caches", {})
+        cache = caches.get(key)
+        if cache is None:
+            cache = caches[key] = StaticCache(config=self.model.config, max_cache_len=bucket)
+        else:
+            cache.reset()
+        return cache
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, **kwargs):
         """transformers' continuous batching `generate_batch`, every forward of the engine running
@@ -228,6 +278,8 @@ class OptimizedModel:
             tokens = ids.shape[-1] if ids is not None and ids.dim() else 1
             name = self._backend.phase = phase(kwargs, tokens)
             self._backend.replayable = name == "decode" and step is None and _static_cache(kwargs)
+            if step is None and _static_cache(kwargs):
+                _mark_static_addresses(kwargs)
             self._backend.call_starts()
             packed = step is not None or (symbolic is not None and symbolic(kwargs, tokens))
             fn = self._compiled_packed if packed else self._compiled

@@ -118,3 +118,26 @@ def test_symmetric_buffers_are_freed_with_the_models_that_reserved_them(monkeypa
     assert ("g0", torch.bfloat16, 64, None) not in symm_mem.reserved()
     monkeypatch.setattr(symm_mem, "_allocate", lambda *a: (_ for _ in ()).throw(RuntimeError("IPC refused\nmore")))
     assert symm_mem.reserve("g1", torch.float32, 8, cpu) == "RuntimeError: IPC refused"
+
+
+def test_static_cache_is_metainfers_own_marked_and_kept_across_calls():
+    """Issue 49 item 5: transformers marks a static cache's tensors as static addresses only outside
+    a Dynamo trace, and metainfer's compiled prefill is where they are allocated; unmarked, Inductor
+    skips CUDA graphs for the decode ("mutated inputs"). And a new cache per generate() would
+    re-record the graphs every call. So generate() keeps one cache per batch size and length
+    bucket, resets it per call, and marks its tensors before the compiled calls."""
+    m = tiny_hf_model("Llama", "sdpa", layers=2)
+    opt = metainfer.optimize(m, "cpu", lowering="aot_eager")
+    gen = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    first = opt.generate(ids, **gen)
+    (cache,) = opt._static_caches.values()
+    addresses = [layer.keys.data_ptr() for layer in cache.layers]
+    assert all(getattr(t, "_dynamo_static_input_type", None) is not None
+               for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length))
+    again = opt.generate(ids, **gen)
+    assert list(opt._static_caches.values()) == [cache]  # the same cache, reset
+    assert [layer.keys.data_ptr() for layer in cache.layers] == addresses
+    assert torch.equal(first, again) and torch.equal(first, m.generate(ids, **gen))
+    opt.generate(ids[:1], **gen)  # another batch size: a cache of its own
+    assert len(opt._static_caches) == 2

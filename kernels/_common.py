@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -222,11 +223,25 @@ AUTOTUNE_BENCH = None
 _tuners: dict = {}
 
 
+# Tuning stops once a server has warmed up (freeze_tuning): a shape first seen later runs its
+# table row instead of timing 2-4 configs in the middle of a serving step.
+_TUNING = {"frozen": False}
+
+
+def freeze_tuning(frozen: bool = True) -> None:
+    """From now on launchers take their table row for shapes not tuned yet (a server calls this
+    after its warm-up); tuners already made keep what they chose."""
+    _TUNING["frozen"] = frozen
+
+
 def autotune_enabled(device: torch.device) -> bool:
     """Whether a launcher lets triton.autotune pick among its config's candidates: on a CUDA GPU
-    only. Under the interpreter (CI) and while lowering/aot.py records launches the row's one
-    fixed config runs, so tests and compiled code stay fast and deterministic."""
-    return device.type == "cuda" and AOT_CAPABILITY is None and not interpreted()
+    only, never inside a CUDA-graph capture (timing launches there would be captured) nor once
+    tuning is frozen. Under the interpreter (CI) and while lowering/aot.py records launches the
+    row's one fixed config runs, so tests and compiled code stay fast and deterministic."""
+    if device.type != "cuda" or AOT_CAPABILITY is not None or interpreted() or _TUNING["frozen"]:
+        return False
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def tune_candidates(config: dict, clamp) -> list[dict]:
@@ -238,6 +253,9 @@ def tune_candidates(config: dict, clamp) -> list[dict]:
         if cand not in out:
             out.append(cand)
     return out
+
+
+_AUTOTUNE_CACHES = "cache_results" in inspect.signature(triton.autotune).parameters  # Triton >= 3.3
 
 
 def autotuned(kernel, candidates: list[dict], key: tuple[str, ...], bucket):
@@ -253,6 +271,8 @@ def autotuned(kernel, candidates: list[dict], key: tuple[str, ...], bucket):
                                  num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
                    for c in candidates]
         bench = {} if AUTOTUNE_BENCH is None else {"do_bench": AUTOTUNE_BENCH}
+        if _AUTOTUNE_CACHES:  # timings kept on disk (Triton's cache dir: metainfer's, per GPU and driver)
+            bench["cache_results"] = True
         tuner = _tuners[memo] = triton.autotune(configs=configs, key=list(key), **bench)(kernel)
     return tuner
 

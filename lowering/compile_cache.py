@@ -53,6 +53,30 @@ def point_inductor_at(root: Path) -> None:
         clear_caches()
 
 
+def point_triton_at(root: Path) -> Path | None:
+    """On a CUDA GPU, make <root>/triton/<GPU name>-<driver> Triton's cache directory
+    (compiled kernels and autotune timings: a timing is only valid for the GPU and driver that
+    measured it; Triton's own key adds the kernel source and the config list). None off a GPU."""
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    d = root / "triton" / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-driver{driver}")
+    if os.environ.get("TRITON_CACHE_DIR") != str(d):
+        os.environ["TRITON_CACHE_DIR"] = str(d)
+        try:  # Triton >= 3.3 reads its knobs at access; older ones the variable
+            import triton
+
+            triton.knobs.cache.dir = str(d)
+        except (ImportError, AttributeError):
+            pass
+    return d
+
+
 def _versions() -> tuple[str, ...]:
     import triton
 

@@ -549,6 +549,10 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
     t, arch_note = target_for_device(t, _gpu_capability(model))
+    if t.device.kind == "cuda":
+        from metainfer.lowering import compile_cache
+
+        compile_cache.point_triton_at(compile_cache.cache_dir(cache_dir))
     dist_notes = dist_notes + ([arch_note] if arch_note else [])
     if example_inputs is not None:
         check_devices(t, args, kwargs, what="example_inputs")

@@ -123,3 +123,39 @@ def test_a_cached_graphs_symmetric_buffers_are_reserved_at_load(monkeypatch, tmp
     monkeypatch.setattr(symm_mem, "reserve", lambda *a: "RuntimeError: CUDA IPC refused")
     with pytest.raises(RuntimeError, match="could not be reserved: RuntimeError: CUDA IPC refused"):
         backend.reserve_resources([loaded])
+
+
+def test_no_tuning_inside_a_capture_or_after_warm_up(monkeypatch, tmp_path):
+    """Item 4: a launcher times candidates only outside a CUDA-graph capture and before a server has
+    warmed up (then the table's row runs); timings persist in Triton's cache directory, which
+    metainfer puts under its own cache, per GPU name and driver."""
+    import torch
+
+    from metainfer.kernels import _common
+    from metainfer.lowering import compile_cache
+
+    monkeypatch.setattr(_common, "interpreted", lambda: False)  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gpu = torch.device("cuda")
+    assert _common.autotune_enabled(gpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not _common.autotune_enabled(gpu)  # inside a capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _common.freeze_tuning()
+    try:
+        assert not _common.autotune_enabled(gpu)  # after a server's warm-up
+    finally:
+        _common.freeze_tuning(False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    import triton
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", triton.knobs.cache.dir)  # restored after the test
+    d = compile_cache.point_triton_at(tmp_path)
+    assert d == tmp_path / "triton" / "NVIDIA_H100_80GB_HBM3-driver12080"
+    import os
+
+    assert os.environ["TRITON_CACHE_DIR"] == str(d)
+    assert _common._AUTOTUNE_CACHES  # Triton 3.9 keeps autotune timings on disk when asked

@@ -174,6 +174,9 @@ class Engine:
         req = GenerationRequest(kind="completion", prompt_ids=prompt, max_tokens=3, temperature=0.0)
         async for _ in self.generate(req, count=False):
             pass
+        from metainfer.kernels import _common
+
+        _common.freeze_tuning()  # no kernel is timed inside a serving step from here on
         self.ready = True
 
     def stop(self) -> None:

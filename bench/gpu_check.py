@@ -16,7 +16,7 @@ dequantise + cuBLAS matmul; moe (256 experts, top 8, 2048 tokens) against the ea
 experts; sparse_attention and mla_decode (DeepSeek's R=512, P=64; batch 64, and batch 1 over
 8192 cached tokens with the cache split) against their references; the rows added for Ada's
 99 KiB (float32 heads of 256, MLA's latent of 1024), sparse attention's unselected rows redone
-on the device, the token check's position of the first bad id, ten ops through
+on the device, the token check's position of the first bad id, 18 op variants through
 `torch.ops.metainfer` (the custom-op bodies compiled graphs call), every autotune candidate of
 the GPU's attention and fp8_gemm rows run once as a fixed config, NCCL ranks (one a GPU, up to
 two) running functional collectives on their tensors (eager and compiled), and a tiny Hugging Face
@@ -78,6 +78,7 @@ class Check:
     peak_gib: float = 1.0  # stated peak GPU memory at full size (inputs, weights, reference); a run above it fails
     est_s: float = 5.0  # estimated seconds on one H100 (see ESTIMATES)
     quick: bool = False  # in --quick, the first run of a short lease
+    timeout_s: int | None = None  # its own limit on a GPU (None: --timeout)
 
 
 # How est_s is estimated (counted, not run: no GPU has been lent yet): each Triton specialisation
@@ -382,6 +383,15 @@ def _dispatch(dev, f):
     idx = torch.stack([torch.randperm(S, device=dev, generator=g)[:16] for _ in range(S)])[None].expand(2, S, 16)
     idx = idx.to(torch.int32).contiguous()
     ql, qp, ckv, kpe = randn(2, 16, 1, 512), randn(2, 16, 1, 64), randn(2, S, 512), randn(2, S, 64)
+    # the variants a quantized checkpoint reaches: per-channel FP8 (W8A16 and per-token W8A8), int4
+    # with zero points, act-order and bias, int4 symmetric at M=1 (the GEMV), bf16 experts
+    bn, bk = K.fp8_gemm.channel_blocks(512, 1024, "channel")
+    sc = torch.rand(512, 1, device=dev, generator=g) + 0.5
+    q4, s4, z4 = K.int4_gemm.quantize_weight(randn(512, 1024, dtype=torch.float32), 128, symmetric=False)
+    perm = torch.randperm(1024, device=dev, generator=g).to(torch.int32)
+    b4 = randn(512)
+    q4s, s4s, _ = K.int4_gemm.quantize_weight(randn(512, 1024, dtype=torch.float32), 128)
+    web, wdb = randn(E, I, H) / 8, randn(E, H, I) / 8
     pairs = [
         (lambda: mi.attention(q, k, v, None, 0.125, True, 0, False),
          lambda: K.attention.reference(q, k, v, None, 0.125, True, 0)),
@@ -399,6 +409,20 @@ def _dispatch(dev, f):
          lambda: K.sparse_attention.reference(q, k, v, idx, None, 0.125, True, 0)),
         (lambda: mi.mla_decode(ql, qp, ckv, kpe, None, None, 0.04, True, S - 1, False),
          lambda: K.mla_decode.reference(ql, qp, ckv, kpe, None, None, 0.04, True, S - 1)),
+        (lambda: mi.fp8_linear(x8, w8, s8, None, 128, 128, True),
+         lambda: K.fp8_gemm.reference(x8, w8, s8, None, 128, 128, True)),
+        (lambda: mi.fp8_linear(x8, w8, sc, None, bn, bk, False),
+         lambda: K.fp8_gemm.reference(x8, w8, sc, None, bn, bk, False)),
+        (lambda: mi.fp8_linear(x8, w8, sc, None, bn, bk, True),
+         lambda: K.fp8_gemm.reference(x8, w8, sc, None, bn, bk, True)),
+        (lambda: mi.int4_linear(x8, q4, s4, z4, perm, b4, 128),
+         lambda: K.int4_gemm.reference(x8, q4, s4, z4, perm, b4, 128)),
+        (lambda: mi.int4_linear(x8[:1], q4s, s4s, None, None, None, 128),
+         lambda: K.int4_gemm.reference(x8[:1], q4s, s4s, None, None, None, 128)),
+        (lambda: mi.moe_experts(xe, ids, tw, web, web, wdb, None, None, None, 128, 128),
+         lambda: K.moe.reference(xe, ids, tw, web, web, wdb)),
+        (lambda: mi.fp8_dequantize(w8, sc, bn, bk, dt), lambda: K.fp8_gemm.dequantize(w8, sc, bn, bk, dt)),
+        (lambda: mi.int4_dequantize(q4, s4, z4, 128, dt), lambda: K.int4_gemm.dequantize(q4, s4, z4, 128, dt)),
     ]
     cache: list = []
 
@@ -540,6 +564,21 @@ def _two_ranks(dev, f):
             "dtype": torch.float32, "once": True}
 
 
+# Graphs Dynamo compiles in the end-to-end check (the target's and the draft model's prefill,
+# decode, verify, draft and serving graphs), measured in the dry run (tests/test_gpu_check.py
+# asserts it still is): its time budget is E2E_BASE_S plus E2E_PER_COMPILE_S a cold Inductor
+# compile of these 1-2 layer graphs (estimated: ~2 s each in the dry run's C++ lowering on 2
+# cores, plus the Triton kernels Inductor compiles for each on a GPU).
+E2E_COMPILES, E2E_BASE_S, E2E_PER_COMPILE_S = 17, 30, 8
+E2E_BUDGET_S = E2E_BASE_S + E2E_COMPILES * E2E_PER_COMPILE_S
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _end_to_end(dev, f):
     """A tiny Hugging Face Llama optimized for this GPU: generate() and generate_batch() (paged
     attention over the engine's pool) give eager's greedy tokens."""
@@ -548,6 +587,7 @@ def _end_to_end(dev, f):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     m = tiny_hf_model("Llama", "sdpa", layers=2).to(dev)
+    draft = tiny_hf_model("Llama", "sdpa", layers=1, seed=1).to(dev)  # a draft model: assisted generation
     ids = torch.randint(3, 128, (2, 12), device=dev, generator=torch.Generator(dev).manual_seed(0))
     target = "cuda" if dev == "cuda" else "cpu"
     opt = metainfer.optimize(m, target, example_inputs=(ids,), serve_compile="always")
@@ -560,8 +600,10 @@ def _end_to_end(dev, f):
         # decode over a static cache: on a GPU metainfer replays it from CUDA graphs
         static = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
         spec = model.generate(ids[:1], max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+        # greedy verification keeps the target's tokens whatever the draft proposes
+        drafted = model.generate(ids[:1], max_new_tokens=8, do_sample=False, assistant_model=draft)
         batch = model.generate_batch(reqs, generation_config=greedy, continuous_batching_config=cb)
-        return torch.cat([out.flatten().cpu(), static.flatten().cpu(), spec.flatten().cpu()]
+        return torch.cat([out.flatten().cpu(), static.flatten().cpu(), spec.flatten().cpu(), drafted.flatten().cpu()]
                          + [torch.tensor(r.generated_tokens) for r in batch.values()])
 
     def ours():
@@ -587,6 +629,7 @@ def _end_to_end(dev, f):
 
             torch.cuda.CUDAGraph.replay = replay
             inductor_log.addHandler(handler)
+        graphs_before = _unique_graphs()
         try:
             got = tokens(opt)
         finally:
@@ -597,7 +640,11 @@ def _end_to_end(dev, f):
         if dev == "cuda" and (skipped or not (marked and set(replays) & set(marked))):
             raise AssertionError(f"decode graphs marked for CUDA graphs: {marked}; replays of them: {len(replays)}; "
                                  f"Inductor: {skipped[:2]}")
-        print(f"  CUDA graphs: decode graphs {marked}, {len(replays)} replays of them", flush=True)
+        compiles = _unique_graphs() - graphs_before
+        print(f"  CUDA graphs: decode graphs {marked}, {len(replays)} replays of them; {compiles} graphs compiled "
+              f"(its budget counts {E2E_COMPILES}, measured in the dry run)", flush=True)
+        if compiles > E2E_COMPILES:
+            raise AssertionError(f"{compiles} graphs compiled, more than the {E2E_COMPILES} its time budget counts")
         return got
     return {"ours": ours, "reference": lambda: tokens(m), "torch": lambda: tokens(m),
             "dtype": torch.int64, "once": True}
@@ -633,12 +680,12 @@ CHECKS = [
     Check("attention", "fp32 d256 prefill 1x4x512 (wide-head row)", _wide_fp32_attention, 1, 4),
     Check("mla_decode", "8 x 16 heads over 2048, R1024 (WIDE_R)", _mla(8, 2048, latent=1024), 1, 4),
     Check("sparse_attention", "unselected keys filled, padding rows", _sparse_filled, 2, 5),
-    Check("dispatch", "10 ops via torch.ops.metainfer", _dispatch, 2, 25, quick=True),
+    Check("dispatch", "18 op variants via torch.ops.metainfer", _dispatch, 2, 35, quick=True),
     Check("autotune", "every attention / fp8_gemm candidate of this arch, fixed", _autotune_candidates, 2, 60),
     Check("collectives", "ranks on their GPUs (NCCL): functional collectives, eager and compiled", _two_ranks, 1, 25,
           quick=True),
     Check("end_to_end", "tiny Llama: generate (dynamic, static/CUDA graphs, prompt lookup) + generate_batch = eager",
-          _end_to_end, 2, 120),  # not in --quick: its Inductor compiles alone are about two minutes
+          _end_to_end, 2, E2E_BUDGET_S, timeout_s=E2E_BUDGET_S + 60),  # not in --quick: its compiles alone
 ]
 
 
@@ -682,7 +729,7 @@ def run(checks, device: str, size: float, timeout: int = 0) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         b = None
         try:
-            with _time_limit(timeout):
+            with _time_limit(c.timeout_s if c.timeout_s and timeout else timeout):
                 b = c.build(device, size)
                 t1 = time.perf_counter()
                 ours = b["ours"]()
@@ -765,15 +812,20 @@ def main(argv=None) -> int:
     rows = run(checks, device, size, timeout)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} checks, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1, default=str)
-    if not a.dry_run and not a.no_calibration:
+    calibration = None
+    if not a.dry_run and not a.no_calibration and not a.quick:
         sys.path.insert(0, os.path.dirname(__file__))
         import calibrate_gpu
 
-        print(f"calibration: bf16 GEMM {calibrate_gpu.gemm_tflops('bf16'):.0f} TFLOP/s, "
-              f"copy {calibrate_gpu.memory_gbs():.0f} GB/s, launch {calibrate_gpu.launch_us():.1f} us")
+        calibration = {"bf16_gemm_tflops": calibrate_gpu.gemm_tflops("bf16"), "copy_gbs": calibrate_gpu.memory_gbs(),
+                       "launch_us": calibrate_gpu.launch_us()}
+        print(f"calibration: bf16 GEMM {calibration['bf16_gemm_tflops']:.0f} TFLOP/s, "
+              f"copy {calibration['copy_gbs']:.0f} GB/s, launch {calibration['launch_us']:.1f} us")
+    if a.json:
+        device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+        with open(a.json, "w") as fh:
+            json.dump({"device": device_name, "checks": rows, "calibration": calibration,
+                       "estimated_s": sum(c.est_s for c in checks)}, fh, indent=1, default=str)
     return 1 if bad else 0
 
 

@@ -21,9 +21,21 @@ def test_the_gpu_script_dry_run_checks_every_kernel(tmp_path):
     assert kernels == {"attention", "paged_attention", "rmsnorm", "glu", "rope", "fp8_gemm", "int4_gemm", "moe",
                        "sparse_attention", "mla_decode", "token_ids", "dispatch", "autotune", "collectives", "end_to_end"}
     assert "32 checks, 0 failed" in proc.stdout
-    rows = json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    rows = data["checks"]
+    assert data["calibration"] is None and data["device"] == "cpu (dry run)"  # measured on a GPU only
     assert len(rows) == 32 and all(r["stated_peak_gib"] > 0 and r["est_s"] > 0 for r in rows)
-    assert sum(r["est_s"] for r in rows) + 30 < 8 * 60  # + calibration: the full run's budget
+    assert data["estimated_s"] == sum(r["est_s"] for r in rows) and data["estimated_s"] + 30 < 8 * 60  # + calibration
+    # the end-to-end row's budget counts the graphs it compiles, measured here
+    import re
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    (compiled,) = re.findall(r"; (\d+) graphs compiled", proc.stdout)
+    assert int(compiled) == gpu_check.E2E_COMPILES, "update E2E_COMPILES (and see that the budget still fits)"
     # the 80 GB H100 holds every check with room; the MoE rows (DeepSeek-V3's 256 experts) name their need
     assert max(r["stated_peak_gib"] for r in rows) <= 0.92 * 79
 

@@ -159,3 +159,40 @@ def test_no_tuning_inside_a_capture_or_after_warm_up(monkeypatch, tmp_path):
 
     assert os.environ["TRITON_CACHE_DIR"] == str(d)
     assert _common._AUTOTUNE_CACHES  # Triton 3.9 keeps autotune timings on disk when asked
+
+
+def test_a_gpu_server_tunes_its_buckets_at_warm_up_then_freezes(monkeypatch):
+    """Item 4: where kernels autotune, the server's warm-up runs the shapes they tune per (prefill
+    buckets up to the batch budget, decode batches up to the running cap) before /ready, then
+    freezes tuning; on CPU it runs its one request and freezes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from metainfer.kernels import _common
+    from metainfer.server import engine as E
+
+    assert E.tuning_shapes(2048, 8, 4096) == [(16, 1), (64, 1), (256, 1), (1024, 1), (8, 2), (8, 4), (8, 8)]
+    assert E.tuning_shapes(2048, 1, 100) == [(16, 1), (64, 1)]  # within the model's positions
+
+    for gpu in (False, True):
+        seen = []
+
+        async def generate(req, count=True):
+            seen.append((len(req.prompt_ids), req.max_tokens))
+            yield [1], "length"
+
+        stub = SimpleNamespace(
+            opt=SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=128, max_position_embeddings=512),
+                                                      parameters=lambda: iter([torch.zeros(1)]))),
+            manager=SimpleNamespace(capacity=SimpleNamespace(max_batch_tokens=256)),
+            admission=SimpleNamespace(max_running=4), generate=generate, ready=False)
+        monkeypatch.setattr(_common, "autotune_enabled", lambda device: gpu)
+        try:
+            asyncio.run(E.Engine.warm_up(stub))
+            assert stub.ready and _common._TUNING["frozen"]
+        finally:
+            _common.freeze_tuning(False)
+        want = [(8, 3)] + ([(16, 3), (64, 3), (256, 3)] + [(8, 2)] * 2 + [(8, 2)] * 4 if gpu else [])
+        assert seen == want

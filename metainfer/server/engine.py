@@ -112,6 +112,21 @@ def engine_manager(opt, cb_config=None):
     return manager
 
 
+def tuning_shapes(max_batch_tokens: int, max_running: int, max_positions: int) -> list[tuple[int, int]]:
+    """(prompt tokens, concurrent requests) a GPU server warms up with so its kernels tune before
+    traffic: prefills of 16, 64, 256, ... tokens up to the engine's batch budget (the GEMMs' and
+    attention's M buckets), then decode steps of 2, 4, 8, ... requests up to the running cap."""
+    out, n = [], 16
+    while n <= min(max_batch_tokens, max_positions - 4):
+        out.append((n, 1))
+        n *= 4
+    b = 2
+    while b <= max_running:
+        out.append((8, b))
+        b *= 2
+    return out
+
+
 class Engine:
     def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
                  cb_config=None):
@@ -169,14 +184,32 @@ class Engine:
 
     async def warm_up(self) -> None:
         """One request through the engine (a prefill step of several tokens, then decode steps of
-        one): its graphs compiled and run before /ready says so."""
-        prompt = [t % self.opt.model.config.vocab_size for t in range(1, 9)]
-        req = GenerationRequest(kind="completion", prompt_ids=prompt, max_tokens=3, temperature=0.0)
-        async for _ in self.generate(req, count=False):
-            pass
+        one): its graphs compiled and run before /ready says so. Where kernels autotune (a GPU),
+        then the shapes they tune per (tuning_shapes), and tuning is frozen: no kernel is timed
+        inside a serving step after this."""
         from metainfer.kernels import _common
 
-        _common.freeze_tuning()  # no kernel is timed inside a serving step from here on
+        vocab = self.opt.model.config.vocab_size
+
+        async def run(n_prompt: int, concurrent: int) -> None:
+            prompt = [1 + t % (vocab - 1) for t in range(n_prompt)]
+            reqs = [GenerationRequest(kind="completion", prompt_ids=prompt, max_tokens=2 if concurrent > 1 else 3,
+                                      temperature=0.0) for _ in range(concurrent)]
+
+            async def one(req):
+                async for _ in self.generate(req, count=False):
+                    pass
+
+            await asyncio.gather(*(one(r) for r in reqs))
+
+        await run(8, 1)
+        device = next(self.opt.model.parameters()).device
+        if _common.autotune_enabled(device):
+            limit = getattr(self.opt.model.config, "max_position_embeddings", None) or 2**31
+            for n_prompt, concurrent in tuning_shapes(self.manager.capacity.max_batch_tokens,
+                                                      self.admission.max_running, limit):
+                await run(n_prompt, concurrent)
+        _common.freeze_tuning()
         self.ready = True
 
     def stop(self) -> None:

@@ -282,7 +282,7 @@ def cmd_serve(a) -> int:
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
     run_options = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
                        max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout,
-                       grace=a.grace)
+                       grace=a.grace, max_request_bytes=a.max_request_bytes)
 
     def load(on: str):
         try:
@@ -497,6 +497,9 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: from --model)")
     sv.add_argument("--max-running", type=_positive_int, default=64, metavar="N",
                     help="requests in the engine at once (default 64)")
+    sv.add_argument("--max-request-bytes", type=_positive_int, metavar="N",
+                    help="a request body past N bytes is a 413 (default: 128 bytes a position of the model's context, "
+                         "at least 1 MiB)")
     sv.add_argument("--max-queue", type=int, default=256, metavar="N",
                     help="requests waiting beyond those; past it a 429 (default 256)")
     sv.add_argument("--request-timeout", type=float, default=600.0, metavar="S",

@@ -32,11 +32,22 @@ from .protocol import APIError, ModelInfo
 log = logging.getLogger("metainfer.server")
 
 
+# Parsing and tokenising a request run here, off the event loop (which keeps answering /health
+# and other requests meanwhile); a request whose parse takes longer is answered 400.
+PARSE_THREADS, PARSE_TIMEOUT_S = 2, 30.0
+
+
 def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str | None = None,
-              on_serving=None, on_stopping=None, on_failed=None) -> FastAPI:
+              on_serving=None, on_stopping=None, on_failed=None, max_request_bytes: int | None = None) -> FastAPI:
     """The app around `engine`. `on_serving(loop)` runs once the engine has started,
     `on_stopping()` before it stops; `on_failed()` once the engine has failed (its loop died, or
-    `engine.fail` was called), after the requests in flight were answered."""
+    `engine.fail` was called), after the requests in flight were answered. A request body past
+    `max_request_bytes` (default: protocol.default_max_request_bytes of the model's context) is a
+    413, read no further than the limit."""
+    import concurrent.futures
+
+    limit = max_request_bytes or protocol.default_max_request_bytes(model.max_positions)
+    parser = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="metainfer-parse")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,6 +63,7 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
             if on_stopping is not None:
                 on_stopping()
             engine.stop()  # on the thread that started it (the runtime's Manager asks for that)
+            parser.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="metainfer", lifespan=lifespan)
 
@@ -93,7 +105,13 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
     async def generate(request: Request, kind: str):
         endpoint = request.url.path
         try:
-            req = protocol.parse(protocol.parse_json(await request.body()), kind, model)
+            raw = await _read_body(request, limit)
+            try:
+                req = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    parser, lambda: protocol.parse(protocol.parse_json(raw), kind, model)), PARSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise APIError(400, f"the request took more than {PARSE_TIMEOUT_S:g} s to parse and tokenise",
+                               code="request_too_complex") from None
             if not req.stream:
                 body = await _complete(engine, req, model, request)
                 metrics.requests.labels(endpoint, "ok").inc()
@@ -126,6 +144,23 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
 
 class _Disconnected(Exception):
     pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes `limit` bytes (by its Content-Length, or as it arrives:
+    never more than the limit is held)."""
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-request-bytes)", code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -227,7 +262,7 @@ def _sse(obj: dict) -> str:
 
 def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_running: int = 64, max_queue: int = 256, request_timeout: float = 600.0, grace: float = 30.0,
-        cb_config=None, log_level: str = "info", rank0=None) -> int:
+        cb_config=None, log_level: str = "info", rank0=None, max_request_bytes: int | None = None) -> int:
     """Serve `opt` (an OptimizedModel of a transformers causal LM) until SIGTERM or SIGINT: then
     stop accepting, give in-flight requests `grace` seconds to finish, cancel the rest, stop the
     engine; returns the exit status: 0 after a drain, 1 when the engine failed. `rank0`
@@ -253,11 +288,13 @@ def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api
     def failed():
         server[0].should_exit = True
 
-    app = build_app(engine, model, metrics, api_key=api_key, on_failed=failed,
+    app = build_app(engine, model, metrics, api_key=api_key, on_failed=failed, max_request_bytes=max_request_bytes,
                     on_serving=(lambda loop: rank0.serving(engine, loop)) if rank0 is not None else None,
                     on_stopping=rank0.expect_exit if rank0 is not None else None)
+    # uvicorn's own bounds: a request head (line and headers) of at most 64 KiB, idle keep-alive
+    # connections closed after 5 s; a slow sender holds a socket and a coroutine, not a thread
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace,
-                            access_log=False)
+                            access_log=False, h11_max_incomplete_event_size=64 * 2**10, timeout_keep_alive=5)
     server.append(uvicorn.Server(config))
     started = time.perf_counter()
     log.info("serving %s on http://%s:%d", model.name, host, port)

@@ -93,12 +93,14 @@ class Admission:
         self.running -= 1
 
 
-def engine_manager(opt, cb_config=None):
+def engine_manager(opt, cb_config=None, max_running: int | None = None):
     """The continuous-batching manager the server drives, made alike on every rank of a job (the
     others follow rank 0's): a sampling config with no processors of its own, so the engine
     samples with metainfer's Sampler, each request passing its own temperature (0: greedy),
-    top-k, top-p and seed."""
+    top-k, top-p and seed. Its KV pool holds what admission allows, `max_running` requests of the
+    model's whole context (or less where memory bounds it; the capacity note says which)."""
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     from metainfer.runtime.sampling import Sampler
 
@@ -106,7 +108,11 @@ def engine_manager(opt, cb_config=None):
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16, eos_token_id=eos,
                            pad_token_id=getattr(model.config, "pad_token_id", None))
-    manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    hints = (WorkloadHints(max_prompt_length=positions, max_generated_length=0, num_requests=max_running)
+             if max_running and isinstance(positions, int) else None)
+    manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config,
+                                           workload_hints=hints)
     if not isinstance(manager.logit_processor, Sampler):
         raise RuntimeError(f"the engine did not take metainfer's sampler (it has {manager.logit_processor!r})")
     return manager
@@ -131,7 +137,7 @@ class Engine:
     def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
                  cb_config=None):
         self.opt, self.metrics, self.request_timeout = opt, metrics, request_timeout
-        self.manager = engine_manager(opt, cb_config)
+        self.manager = engine_manager(opt, cb_config, max_running)
         eos = opt.model.generation_config.eos_token_id if opt.model.generation_config is not None else None
         self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.admission = Admission(max_running, max_queue)

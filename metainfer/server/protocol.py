@@ -38,6 +38,30 @@ def bad(param: str | None, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+# A prompt's text is refused before it is tokenised past this many characters a position of the
+# model: no tokenizer makes fewer tokens than characters / 64 of real text, and the tokenizer's
+# work is bounded by the characters it is given.
+MAX_CHARS_PER_POSITION = 64
+DEFAULT_POSITIONS = 8192  # for a model that does not say how many it has
+
+
+def max_prompt_chars(model: "ModelInfo") -> int:
+    return MAX_CHARS_PER_POSITION * (model.max_positions or DEFAULT_POSITIONS)
+
+
+def default_max_request_bytes(max_positions: int | None) -> int:
+    """A body limit sized to the model's context: its longest prompt text as JSON (characters
+    escape to at most 2 bytes on average in real text), at least 1 MiB."""
+    return max(2**20, 2 * MAX_CHARS_PER_POSITION * (max_positions or DEFAULT_POSITIONS))
+
+
+def _check_chars(text_len: int, param: str, model: "ModelInfo") -> None:
+    limit = max_prompt_chars(model)
+    if text_len > limit:
+        raise bad(param, f"{param} has {text_len} characters; at most {limit} are tokenised for a model of "
+                         f"{model.max_positions or DEFAULT_POSITIONS} positions")
+
+
 @dataclass
 class GenerationRequest:
     """One request as the engine takes it."""
@@ -151,6 +175,7 @@ def _completion_prompt(body: dict, model: ModelInfo) -> list[int]:
             raise bad("prompt", "prompt is empty")
         if model.tokenizer is None:
             raise bad("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
+        _check_chars(len(prompt), "prompt", model)
         ids = model.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not ids:
             raise bad("prompt", "prompt encodes to no tokens")
@@ -176,6 +201,7 @@ def _chat_prompt(body: dict, model: ModelInfo) -> list[int]:
     tok = model.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad("messages", "this model has no tokenizer with a chat template: use /v1/completions with token ids")
+    _check_chars(sum(len(m["content"]) for m in messages), "messages", model)
     try:
         ids = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
                                       add_generation_prompt=True, tokenize=True)

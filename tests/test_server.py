@@ -143,6 +143,35 @@ def test_bad_requests_are_4xx_naming_the_field(server, body, status, param):
     assert server.post("/v1/completions", {"model": server_model(server), "prompt": [5], "max_tokens": 1}).status_code == 200
 
 
+def test_a_body_past_the_limit_is_413_and_health_keeps_answering(server):
+    """Issue 50: the body limit (default 1 MiB for a 512-position model) answers 413 in OpenAI's
+    shape from the Content-Length, or as a chunked body passes it, holding no more than the limit;
+    /health answers meanwhile."""
+    url = f"{server.url}/v1/completions"
+    big = b'{"model": "x", "prompt": "' + b"w1 " * (2 * 2**20 // 3) + b'"}'
+    r = httpx.post(url, content=big, headers=server.headers(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "1048576 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit applies as the body arrives
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(40):
+            yield b"w2 " * 10000
+        yield b'"}'
+
+    r = httpx.post(url, content=chunks(), headers=server.headers(), timeout=60)
+    assert r.status_code == 413
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
+def test_a_prompt_past_the_character_bound_is_refused_before_tokenising(server):
+    text = "w5 " * 12000  # 36,000 characters > 64 x 512 positions
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": server_model(server), "prompt": text},
+                   headers=server.headers(), timeout=60)
+    body = r.json()["error"]
+    assert r.status_code == 400 and body["param"] == "prompt" and "at most 32768 are tokenised" in body["message"]
+
+
 def test_chat_without_messages_and_a_wrong_api_key(server):
     r = server.post("/v1/chat/completions", {"model": server_model(server), "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -380,31 +409,3 @@ def test_streamed_text_deltas_add_up_to_the_whole_text():
 
     check()
 
-
-def test_a_body_past_the_limit_is_413_and_health_keeps_answering(server):
-    """Issue 50: the body limit (default 1 MiB for a 512-position model) answers 413 in OpenAI's
-    shape from the Content-Length, or as a chunked body passes it, holding no more than the limit;
-    /health answers meanwhile."""
-    url = f"{server.url}/v1/completions"
-    big = b'{"model": "x", "prompt": "' + b"w1 " * (2 * 2**20 // 3) + b'"}'
-    r = httpx.post(url, content=big, headers=server.headers(), timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    assert "1048576 bytes" in r.json()["error"]["message"]
-
-    def chunks():  # no Content-Length: the limit applies as the body arrives
-        yield b'{"model": "x", "prompt": "'
-        for _ in range(40):
-            yield b"w2 " * 10000
-        yield b'"}'
-
-    r = httpx.post(url, content=chunks(), headers=server.headers(), timeout=60)
-    assert r.status_code == 413
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-
-
-def test_a_prompt_past_the_character_bound_is_refused_before_tokenising(server):
-    text = "w5 " * 12000  # 36,000 characters > 64 x 512 positions
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": server_model(server), "prompt": text},
-                   headers=server.headers(), timeout=60)
-    body = r.json()["error"]
-    assert r.status_code == 400 and body["param"] == "prompt" and "at most 32768 are tokenised" in body["message"]

@@ -29,6 +29,7 @@ measurement here.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import time
@@ -74,8 +75,6 @@ def _transformers_load(folder: str) -> str:
 
 
 def _reference(model: nn.Module, real: dict) -> nn.Module:
-    import copy
-
     ref = copy.deepcopy(model).float()
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16).float()  # the checkpoint stores the float tensors in bf16
@@ -169,16 +168,11 @@ def linears_table(N: int = 4096, K: int = 4096, ms=(1, 4, 16, 512)) -> list[str]
                                                             fp8_channel.block_n, fp8_channel.block_k, False)),
                 "fp8 fallback": _time(lambda: fp8_block(x)),
             }
-        pred = {k: _predicted(_copy(v), M, K) for k, v in layers.items()}
+        pred = {k: _predicted(copy.deepcopy(v), M, K) for k, v in layers.items()}
         rows.append((str(M), f"{base * 1e3:.2f} ms", *(f"{t[k] / base:.2f}x" for k in t),
                      f"{pred['int4'] / pred['bf16']:.2f}x", f"{pred['fp8'] / pred['bf16']:.2f}x"))
     return _table(rows)
 
-
-def _copy(layer):
-    import copy
-
-    return copy.deepcopy(layer)
 
 
 def _table(rows) -> list[str]:

@@ -76,15 +76,15 @@ class Check:
     case: str
     build: Callable[[str, float], dict]  # (device, size factor) -> {"ours", "reference", "torch", "dtype"}
     peak_gib: float = 1.0  # stated peak GPU memory at full size (inputs, weights, reference); a run above it fails
-    est_s: float = 5.0  # estimated seconds on one H100 (see ESTIMATES)
+    est_s: float = 5.0  # estimated seconds on one H100 (how: the comment below)
     quick: bool = False  # in --quick, the first run of a short lease
     timeout_s: int | None = None  # its own limit on a GPU (None: --timeout)
 
 
 # How est_s is estimated (counted, not run: no GPU has been lent yet): each Triton specialisation
 # JIT-compiles in ~1-3 s (2 s counted), each do_bench of ours and of torch's path ~0.2 s plus the
-# call's own time; a reference's time from its FLOPs at ~25 TFLOP/s (fp32 without TF32); Inductor
-# compiles of the end-to-end check ~15 s each (ESTIMATES). Peaks: the tensors a build makes, the reference's
+# call's own time; a reference's time from its FLOPs at ~25 TFLOP/s (fp32 without TF32); the
+# end-to-end check's budget from its measured compile count (E2E_COMPILES below). Peaks: the tensors a build makes, the reference's
 # largest temporaries (fp32 score matrices, expanded K/V), rounded up.
 
 
@@ -795,7 +795,7 @@ def main(argv=None) -> int:
     checks = [c for c in CHECKS if (not a.only or c.kernel in a.only) and (not a.quick or c.quick)]
     est = sum(c.est_s for c in checks)
     print(f"{len(checks)} checks, stated peak at most {max(c.peak_gib for c in checks)} GiB, estimated {est:.0f} s on "
-          "one H100 (counted: JIT compiles, timings, reference FLOPs; see ESTIMATES in the source)")
+          "one H100 (counted: JIT compiles, timings, reference FLOPs; see the comment beside Check)")
     if a.dry_run:
         print("dry run: every check at a tiny size through Triton's interpreter on CPU (timings mean nothing)")
         device, size = "cpu", 1 / 128

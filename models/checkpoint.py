@@ -186,6 +186,9 @@ class _Files:
             self.handles[name] = handle
             for key in handle.keys():
                 self.where[key] = name
+        self.of_module: dict[str, list[str]] = {}  # "a.b.q_proj" -> its tensors' names, once (not a scan a layer)
+        for key in self.where:
+            self.of_module.setdefault(key.rpartition(".")[0], []).append(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
@@ -318,10 +321,9 @@ def _quantized_layers(model: nn.Module, files: _Files, scheme: Scheme | None) ->
         want = "fp8" if stored == "fp8" else "int4"
         if want != scheme.kind:
             raise ValueError(f"{name} is stored as {want}, the config's quantization_config says {scheme.kind}")
-        before = set(files.where)
         layer = (_fp8_layer(files, name, linear, scheme) if want == "fp8"
                  else _int4_layer(files, name, linear, scheme, stored))
-        used |= {k for k in before if k.startswith(name + ".")}
+        used.update(files.of_module.get(name, ()))
         if linear.bias is not None:
             bias = files.get(f"{name}.bias", (linear.out_features,))
             layer.bias = nn.Parameter(bias, requires_grad=False)

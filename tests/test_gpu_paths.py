@@ -1,10 +1,9 @@
-"""GPU paths checked on CPU (issue 49): what a first GPU lease would trip over, caught here.
-
-- Importing metainfer must not initialise CUDA: a forkserver that preloads metainfer (multirank's
-  ranks, `metainfer serve --ranks`) forks children that cannot use CUDA once the parent has
-  touched the CUDA runtime (torch.cuda.is_available() does). The test pretends to be a CUDA
-  build with a GPU (metadata and NVML patched) and fails if is_available() is called or CUDA
-  ends up initialised."""
+"""GPU paths checked on CPU (issue 49): what a first GPU lease would trip over, caught here, each
+test failing on the code before its fix. Importing metainfer never initialises CUDA (a forkserver
+that preloads it forks children that cannot use CUDA once the parent touched the runtime); a
+newer GPU takes its own kernel rows and both entries resolve the target alike; the serving
+engine's CUDA graphs are off; no autotuning in a capture or after warm-up, which tunes the
+expected shapes; a cached graph's symmetric buffers are reserved at load."""
 
 import os
 import subprocess

@@ -64,9 +64,13 @@ def test_draw_never_picks_a_token_without_mass():
 
 
 class _Row:  # what the engine hands prepare_tensor_args: a request state with its kwargs
+    _ids = iter(range(10**9))
+
     def __init__(self, **kwargs):
+        from transformers.generation.continuous_batching.requests import RequestState
+
         self.has_new_token = True
-        self.state = type("State", (), {"logit_processor_kwargs": kwargs})()
+        self.state = RequestState(request_id=f"r{next(self._ids)}", initial_tokens=[1], logit_processor_kwargs=kwargs)
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-split", "dense"])

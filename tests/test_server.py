@@ -128,7 +128,9 @@ def test_sampling_with_a_seed_and_text_prompts(server, client):
     ({"prompt": [1], "temperature": 1e9}, 400, "temperature"),
     ({"prompt": [1], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1], "n": 3}, 400, "n"),
-    ({"prompt": [1], "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": [1], "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": [1], "stop": ["a"] * 5}, 400, "stop"),
+    ({"prompt": [1], "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"prompt": [1], "stop_token_ids": [999]}, 400, "stop_token_ids"),
     ({"prompt": [[1], [2]]}, 400, "prompt"),
 ])
@@ -264,6 +266,128 @@ def test_metrics_count_what_happened(server):
     assert m['metainfer_kv_blocks{state="free"}'] + m['metainfer_kv_blocks{state="cached"}'] == 64 and m["metainfer_graphs_compiled"] >= 1
 
 
+@pytest.fixture(scope="module")
+def reference(folder):
+    """The served model and tokenizer loaded in this process: the references of issue 50's fields."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
+    return model, transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+def _idle(server):
+    """Waits until no request runs and no KV block is held; the metrics then."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.metrics()
+        if m["metainfer_requests_running"] == 0 and m['metainfer_kv_blocks{state="used"}'] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+def test_stop_strings_end_the_text_before_them(server, client, expected, reference):
+    _, tok = reference
+    at = max(range(len(PROMPTS)), key=lambda i: len(expected[i]))
+    prompt, want = PROMPTS[at], expected[at]
+    words = tok.decode(want, skip_special_tokens=True).split()
+    stop = " " + words[len(words) // 2]  # a word in the middle, found where it first appears
+    kept = next(end for end in range(1, len(want) + 1) if stop in tok.decode(want[:end], skip_special_tokens=True))
+    text = tok.decode(want[:kept], skip_special_tokens=True)
+    text = text[:text.find(stop)]
+    name = server_model(server)
+    out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, stop=[stop, "zz"])
+    choice = out.choices[0]
+    assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == (text, want[:kept], "stop")
+    assert out.usage.completion_tokens == kept
+    chunks = [c for c in client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                                    stop=stop, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "stop"
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == want[:kept]
+    _idle(server)  # the engine's request was stopped with the text
+
+
+def test_n_choices_share_one_prompt(server, client, expected):
+    name = server_model(server)
+    out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.model_extra["token_ids"] == expected[0] for c in out.choices)  # greedy: both the same
+    assert out.usage.completion_tokens == 2 * len(expected[0])
+    chunks = [c for c in client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=5, temperature=1.0,
+                                                    n=2, seed=4, stream=True) if c.choices]
+    per = {i: [t for c in chunks if c.choices[0].index == i for t in c.choices[0].model_extra["token_ids"]]
+           for i in (0, 1)}
+    assert all(1 <= len(v) <= 5 for v in per.values())
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] != []
+    r = server.post("/v1/completions", {"model": name, "prompt": [5], "n": MAX_RUNNING + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    _idle(server)
+
+
+def test_logprobs_are_the_models_log_softmax(server, client, expected, reference):
+    import torch
+
+    model, _ = reference
+    name = server_model(server)
+    want = expected[0]
+    out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    with torch.no_grad():  # teacher-forced: the distribution before each generated token
+        logits = model(torch.tensor([PROMPTS[0] + want])).logits[0, len(PROMPTS[0]) - 1:-1].float()
+    ref = torch.log_softmax(logits, -1)
+    picked = ref.gather(-1, torch.tensor(want)[:, None]).squeeze(-1)
+    assert lp.token_logprobs == pytest.approx(picked.tolist(), abs=1e-4)
+    top = ref.topk(3)
+    for i, alternatives in enumerate(lp.top_logprobs):
+        assert list(alternatives.values()) == pytest.approx(top.values[i].tolist(), abs=1e-4)
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "w1 w2"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].model_extra["token_ids"]) and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 for c in content)
+    _idle(server)
+
+
+def test_penalties_equal_transformers_generate_with_its_processors(server, client, reference):
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model, _ = reference
+    prompt = PROMPTS[1]
+    ids = torch.tensor([prompt])
+
+    class OpenAIPenalties(LogitsProcessor):  # OpenAI's definition, over the generated tokens
+        def __call__(self, input_ids, scores):
+            for t in input_ids[0, len(prompt):].tolist():
+                scores[0, t] -= 0.7 + 0.0  # frequency 0.7 per occurrence
+            for t in set(input_ids[0, len(prompt):].tolist()):
+                scores[0, t] -= 0.4  # presence 0.4 once
+            return scores
+
+    def generated(**kw):
+        with torch.no_grad():
+            return model.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0,
+                                  **kw)[0, len(prompt):].tolist()
+
+    name = server_model(server)
+    r = server.post("/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                        "repetition_penalty": 1.3})
+    assert r.json()["choices"][0]["token_ids"] == generated(repetition_penalty=1.3)
+    out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, frequency_penalty=0.7,
+                                    presence_penalty=0.4)
+    assert out.choices[0].model_extra["token_ids"] == generated(logits_processor=LogitsProcessorList([OpenAIPenalties()]))
+
+
+def test_echo_puts_the_prompt_before_the_completion(server, client):
+    name = server_model(server)
+    plain = client.completions.create(model=name, prompt="w3 w4 w5", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=name, prompt="w3 w4 w5", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "w3 w4 w5" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=name, prompt="w3 w4 w5", max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
     """The last test: SIGTERM while a stream runs; the stream completes, new connections are
     refused, the process exits 0."""
@@ -316,10 +440,15 @@ class _StandInEngine:
         pass
 
     async def generate(self, req, count=True):
+        from metainfer.server.engine import Update
+
         if self.fail is not None:
             raise self.fail
         for i in range(1, len(self.tokens) + 1):
-            yield self.tokens[:i], ("length" if i == len(self.tokens) else None)
+            yield Update(0, self.tokens[:i], "length" if i == len(self.tokens) else None)
+
+    def end_choice(self, req, index):
+        pass
 
 
 def _app(engine):

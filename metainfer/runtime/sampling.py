@@ -19,9 +19,23 @@ calls on the logits rows and whose per-request arguments it stores) and draws th
 On CPU the rows are split by kind on the host (the arguments are host tensors: no device sync);
 on a GPU, or while compiling, every row takes the one filtered path (one sort, no
 data-dependent shapes) and greedy rows are selected with `torch.where`.
+
+Per request, and only for the rows that ask (other rows cost nothing):
+- penalties on the raw logits, before temperature and the greedy argmax: `repetition_penalty`
+  over the prompt and the generated tokens (transformers' RepetitionPenaltyLogitsProcessor),
+  then OpenAI's `frequency_penalty` x count and `presence_penalty` over the generated tokens
+  (vLLM's order and scope). They travel in the request's kwargs, so every rank of a
+  tensor-parallel group applies them alike;
+- log-probabilities of the model's raw distribution (before penalties and temperature, as
+  vLLM's default) for the chosen token and the k most likely, recorded for the request ids a
+  consumer watches (`watch_logprobs`; the server on rank 0) and taken by position.
 """
 
 from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList
@@ -30,6 +44,47 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 _KEYS = {"temperature": float, "top_k": int, "top_p": float}
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # key: its "off" value
+LOGPROB_FLOOR = -9999.0  # a -inf log-probability is reported as this (JSON has no infinity)
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the `k` most likely tokens' (id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def history(state) -> tuple[list[int], list[int]]:
+    """(prompt, generated tokens) of an engine request state; a request the engine preempted and
+    re-queued carries its generated tokens at the end of its initial tokens."""
+    true_prompt = state._true_initial_tokens or len(state.initial_tokens)
+    return state.initial_tokens[:true_prompt], state.initial_tokens[true_prompt:] + state.generated_tokens
+
+
+def penalise(scores: torch.Tensor, rows: list[int], penalties: list[dict], prompts: list[list[int]],
+             generated: list[list[int]]) -> torch.Tensor:
+    """`scores` with rows[i] penalised by penalties[i] (repetition over prompt + generated, then
+    frequency x count and presence over generated); other rows untouched."""
+    vocab = scores.size(-1)
+    sub = scores[rows]
+    counts = torch.zeros_like(sub)
+    seen = torch.zeros(sub.shape, dtype=torch.bool, device=sub.device)
+    for i, (prompt, gen) in enumerate(zip(prompts, generated)):
+        if gen:
+            ids = torch.tensor(gen, device=sub.device)
+            counts[i].index_add_(0, ids, torch.ones(len(gen), device=sub.device, dtype=sub.dtype))
+        if penalties[i]["repetition_penalty"] != 1.0 and (prompt or gen):
+            seen[i, torch.tensor(prompt + gen, device=sub.device).clamp_(0, vocab - 1)] = True
+    value = lambda key: torch.tensor([p[key] for p in penalties], device=sub.device, dtype=sub.dtype)[:, None]  # noqa: E731
+    rep = value("repetition_penalty")
+    sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+    sub = sub - counts * value("frequency_penalty") - (counts > 0).to(sub.dtype) * value("presence_penalty")
+    out = scores.clone()
+    out[rows] = sub
+    return out
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -101,10 +156,18 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
         super().__init__(LogitsProcessorList())
         self.defaults = {"temperature": float(temperature), "top_k": int(top_k or 0), "top_p": float(top_p)}
         self.tensors_required = 3  # rows of the engine's argument storage: temperature, top_k, top_p
-        self.supported_keys = {**_KEYS, "seed": int}
+        self.supported_keys = {**_KEYS, "seed": int, **{key: float for key in PENALTIES}}
         self.ignored_keys = set()
         self.do_processing = True
         self.generator = None  # torch's default generator (a request's "seed" seeds it)
+        # host-side extras of each prepared step (penalised rows, rows whose log-probabilities are
+        # watched), taken by the step's call in order; the engine prepares a step ahead only in
+        # its async mode (2 in flight), and a step whose forward failed leaves a stale entry
+        self.steps_in_flight = 1
+        self._steps: collections.deque = collections.deque()
+        self._lock = threading.Lock()  # the watches are read on the engine's thread, taken on another
+        self._watched: dict[str, int] = {}  # request id -> top log-probabilities wanted
+        self._logprobs: dict[str, dict[int, TokenLogprob]] = {}  # request id -> position -> record
 
     @classmethod
     def replacing(cls, generation_config, processors) -> "Sampler | None":
@@ -146,9 +209,74 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
             values = {key: [kw.get(key, self.defaults[key]) for kw in rows] for key in _KEYS}
             arg_storage[:3, :len(rows)] = self._encode(values["temperature"], values["top_k"],
                                                        values["top_p"]).to(arg_storage.device)
+        while len(self._steps) >= self.steps_in_flight:
+            self._steps.popleft()  # a step prepared whose forward never ran (it failed)
+        self._steps.append(self._extras([r.state for r in requests_in_batch if r.has_new_token]))
         return arg_storage
 
+    def _extras(self, states) -> dict:
+        penalised, watched = [], []
+        with self._lock:
+            for row, state in enumerate(states):
+                kw = state.logit_processor_kwargs
+                if any(kw.get(key, off) != off for key, off in PENALTIES.items()):
+                    penalised.append((row, {key: float(kw.get(key, off)) for key, off in PENALTIES.items()},
+                                      *history(state)))
+                k = self._watched.get(state.request_id)
+                if k is not None:
+                    watched.append((row, state.request_id, len(history(state)[1]), k))
+        return {"penalised": penalised, "watched": watched}
+
+    # ---- log-probabilities, for a consumer on another thread
+    def watch_logprobs(self, request_ids: list[str], top: int) -> None:
+        """Record the chosen token's log-probability and the `top` most likely for these requests."""
+        with self._lock:
+            for rid in request_ids:
+                self._watched[rid] = top
+                self._logprobs[rid] = {}
+
+    def take_logprobs(self, request_id: str, start: int, end: int) -> list[TokenLogprob]:
+        """The records of generated positions [start, end) of a watched request (handed out once)."""
+        with self._lock:
+            records = self._logprobs.get(request_id, {})
+            missing = [i for i in range(start, end) if i not in records]
+            if missing:
+                raise RuntimeError(f"no log-probabilities recorded for {request_id} at positions {missing}")
+            return [records.pop(i) for i in range(start, end)]
+
+    def unwatch(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._watched.pop(rid, None)
+                self._logprobs.pop(rid, None)
+
+    def _record(self, watched, raw: torch.Tensor, out: torch.Tensor) -> None:
+        rows = [w[0] for w in watched]
+        logprobs = raw[rows].float().log_softmax(-1)
+        chosen = out[rows].argmax(-1)  # what the engine's argmax takes from the returned rows
+        picked = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
+        width = max(w[3] for w in watched)
+        top_values, top_ids = logprobs.topk(width, -1) if width else (logprobs[:, :0], chosen[:, None][:, :0])
+        chosen, picked = chosen.tolist(), picked.clamp(min=LOGPROB_FLOOR).tolist()
+        top_values, top_ids = top_values.clamp(min=LOGPROB_FLOOR).tolist(), top_ids.tolist()
+        with self._lock:
+            for i, (_row, rid, position, k) in enumerate(watched):
+                records = self._logprobs.get(rid)
+                if records is not None:  # still watched
+                    records[position] = TokenLogprob(chosen[i], picked[i], list(zip(top_ids[i][:k], top_values[i][:k])))
+
     def __call__(self, input_ids, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
+        extras = self._steps.popleft() if self._steps else {"penalised": [], "watched": []}
+        raw = scores
+        if extras["penalised"]:
+            rows, penalties, prompts, generated = zip(*extras["penalised"])
+            scores = penalise(scores, list(rows), list(penalties), list(prompts), list(generated))
+        out = self._sample(scores, logits_processor_args)
+        if extras["watched"]:
+            self._record(extras["watched"], raw, out)
+        return out
+
+    def _sample(self, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
         n = scores.size(0)
         temperature = logits_processor_args[0, :n].view(torch.float32)
         top_k = logits_processor_args[1, :n]

@@ -648,12 +648,45 @@ class Manager:
         max_new = self._manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         return request_problem(self._opt, input_ids, max_new or 0, self.capacity.tokens, self.capacity.page_size)
 
-    def add_request(self, input_ids, request_id=None, max_new_tokens=None, **kwargs):
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, n: int = 1, **kwargs):
+        """The engine's add_request, checked first; `n` > 1 asks for n sequences of one prompt (the
+        engine's num_return_sequences: the prompt prefilled once, its cache forked before the last
+        token), delivered under `request_ids(request_id, n)`."""
         why = self._problem(input_ids, max_new_tokens)
         if why is not None:
             raise ValueError(f"request refused: {why}")
         self._admitted += len(input_ids)
-        return self._manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+        manager = self._manager
+        if n > 1 and request_id is None:
+            raise ValueError("a request of several sequences needs its request_id (its sequences' ids derive from it)")
+        if n > 1 and len(input_ids) < 2:
+            # the engine forks a request after prefilling all but its last prompt token, and with
+            # none before it schedules an empty step that fails (transformers 5.25): n requests instead
+            for one in self.request_ids(request_id, n):
+                manager.add_request(input_ids, request_id=one, max_new_tokens=max_new_tokens, **kwargs)
+            self._admitted += (n - 1) * len(input_ids)
+            return request_id
+        # the engine reads num_return_sequences here only, into the request's number of children;
+        # requests are added from one thread (the server's loop), so setting it around the call is safe
+        manager.num_return_sequences = n
+        try:
+            return manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
+        finally:
+            manager.num_return_sequences = 1
+
+    @staticmethod
+    def request_ids(request_id: str, n: int) -> list[str]:
+        """The ids the engine delivers a request of `n` sequences under (its children's naming)."""
+        return [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)]
+
+    @property
+    def sampler(self):
+        """metainfer's Sampler, which the engine samples with (None when the engine kept its own
+        processors); it applies per-request penalties and records watched log-probabilities."""
+        from metainfer.runtime import sampling
+
+        processor = self._manager.logit_processor
+        return processor if isinstance(processor, sampling.Sampler) else None
 
     def add_requests(self, inputs, max_new_tokens=None, **kwargs) -> list[str]:
         """The engine's add_requests, every request checked first: one that cannot be served is a
@@ -675,6 +708,7 @@ class Manager:
         if sampler is None or cfg.return_logprobs:  # the engine's log-probabilities would read the drawn rows
             return
         manager.logit_processor = sampler
+        sampler.steps_in_flight = 2 if cfg.use_async_batching else 1
         manager.generation_config = copy.copy(manager.generation_config)
         manager.generation_config.do_sample = False
         _note(self._opt, f"serving: sampling by metainfer's sampler, {sampler.defaults} unless a request sets its own "

@@ -216,12 +216,14 @@ async def _watch_engine(engine: Engine, on_failed, poll_s: float = 0.25) -> None
 async def _complete(engine: Engine, req, model: ModelInfo, request: Request) -> dict:
     """A non-streamed request: the whole completion; the request is cancelled if the client
     goes away while it runs."""
-    result: list = []
+    choices = [protocol.Choice(i, req, model) for i in range(req.n)]
 
     async def run():
-        async for ids, finish in engine.generate(req):
-            if finish is not None:
-                result.append((ids, finish))
+        async for update in engine.generate(req):
+            choice = choices[update.index]
+            choice.add(update.ids, update.finish, update.logprobs)
+            if choice.finish is not None and update.finish is None:
+                engine.end_choice(req, update.index)  # a stop string matched
 
     task = asyncio.create_task(run())
     try:
@@ -236,28 +238,31 @@ async def _complete(engine: Engine, req, model: ModelInfo, request: Request) -> 
     finally:
         if not task.done():
             task.cancel()
-    ids, finish = result[0]
-    return protocol.response(req, model, ids, finish)
+    return protocol.response(req, model, choices)
 
 
 async def _stream(engine: Engine, req, model: ModelInfo, metrics: Metrics, endpoint: str):
-    """Server-sent events: a chunk per step's new tokens, the last with the finish reason and the
-    usage, then [DONE]. The first item is yielded once the first tokens exist (so admission and
-    request errors are still an HTTP status); a client that goes away cancels the request."""
-    detok = protocol.Detokenizer(model)
-    sent, first, status = 0, True, "cancelled"
+    """Server-sent events: a chunk per step's new tokens of a choice, a choice's last with its
+    finish reason, the last of all with the usage, then [DONE]. The first item is yielded once
+    the first tokens exist (so admission and request errors are still an HTTP status); a client
+    that goes away cancels the request."""
+    choices = [protocol.Choice(i, req, model) for i in range(req.n)]
+    started, first, status = [False] * req.n, True, "cancelled"
     try:
-        async for ids, finish in engine.generate(req):
-            new = ids[sent:]
-            text = detok.delta(ids, final=finish is not None)
-            if not new and finish is None:
+        async for update in engine.generate(req):
+            choice = choices[update.index]
+            text, new, records = choice.add(update.ids, update.finish, update.logprobs)
+            if choice.finish is not None and update.finish is None:
+                engine.end_choice(req, update.index)  # a stop string matched
+            if not new and not text and choice.finish is None:
                 continue
-            yield _sse(protocol.chunk(req, model, text, new, finish, first=first,
-                                      total=len(ids) if finish is not None else None))
-            sent, first = len(ids), False
-            if finish is not None:
+            done = all(c.finish is not None for c in choices)
+            yield _sse(protocol.chunk(req, model, choice, text, new, records, first=not started[update.index],
+                                      total=sum(len(c.ids) for c in choices) if done else None))
+            started[update.index], first = True, False
+            if done:
                 if req.include_usage:
-                    yield _sse(protocol.usage_chunk(req, model, len(ids)))
+                    yield _sse(protocol.usage_chunk(req, model, sum(len(c.ids) for c in choices)))
                 status = "ok"
         yield "data: [DONE]\n\n"
     except APIError as e:

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
@@ -57,40 +58,66 @@ class ServerFailed(APIError):
                          code="server_failed")
 
 
+@dataclass
+class Update:
+    """A choice's tokens so far, its finish reason once finished, and the log-probability
+    records of the tokens new since its last update (None when the request asked for none)."""
+
+    index: int
+    ids: list[int]
+    finish: str | None
+    logprobs: list | None = None
+
+
+_CHOICE_ENDED = object()  # queued by end_choice to wake a request's generate()
+
+
 class Admission:
-    """At most `max_running` requests hold a slot and at most `max_queue` wait for one (in
-    arrival order); past that, Overloaded. A waiter that goes away leaves the queue, and a slot
-    handed to one that is going away passes on."""
+    """At most `max_running` sequences hold a slot (a request of n choices takes n) and at most
+    `max_queue` requests wait (in arrival order: the first waiter is served before any later
+    one); past that, Overloaded. A waiter that goes away leaves the queue, and slots handed to
+    one that is going away pass on."""
 
     def __init__(self, max_running: int, max_queue: int):
         self.max_running, self.max_queue = max_running, max_queue
         self.running = 0
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.waiting: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
 
-    async def acquire(self) -> None:
-        if self.running < self.max_running:
-            self.running += 1
+    async def acquire(self, slots: int = 1) -> None:
+        if not 1 <= slots <= self.max_running:
+            raise ValueError(f"a request takes 1 to {self.max_running} slots, not {slots}")
+        if not self.waiting and self.running + slots <= self.max_running:
+            self.running += slots
             return
         if len(self.waiting) >= self.max_queue:
             raise Overloaded(self.running, len(self.waiting))
-        slot = asyncio.get_running_loop().create_future()
-        self.waiting.append(slot)
+        entry = (asyncio.get_running_loop().create_future(), slots)
+        self.waiting.append(entry)
         try:
-            await slot  # release() hands its slot over: `running` already counts this request
+            await entry[0]  # _hand_out counted its slots in `running`
         except asyncio.CancelledError:
-            if slot.done() and not slot.cancelled():
-                self.release()  # handed a slot while going away: pass it on
-            elif slot in self.waiting:  # (release() drops a cancelled waiter it meets)
-                self.waiting.remove(slot)
+            if entry[0].done() and not entry[0].cancelled():
+                self.release(slots)  # handed slots while going away: pass them on
+            elif entry in self.waiting:
+                self.waiting.remove(entry)
+                self._hand_out()  # the ones behind it may fit now
             raise
 
-    def release(self) -> None:
+    def release(self, slots: int = 1) -> None:
+        self.running -= slots
+        self._hand_out()
+
+    def _hand_out(self) -> None:
         while self.waiting:
-            slot = self.waiting.popleft()
-            if not slot.done():
-                slot.set_result(None)
+            future, slots = self.waiting[0]
+            if future.done():  # failed by the engine, or cancelled
+                self.waiting.popleft()
+                continue
+            if self.running + slots > self.max_running:
                 return
-        self.running -= 1
+            self.waiting.popleft()
+            self.running += slots
+            future.set_result(None)
 
 
 def engine_manager(opt, cb_config=None, max_running: int | None = None):
@@ -143,6 +170,7 @@ class Engine:
         self.admission = Admission(max_running, max_queue)
         self._fed_back = 0  # generated tokens fed back as inputs (all but each request's last)
         self._inflight: dict[str, asyncio.Queue] = {}  # each admitted request's output queue
+        self._ended: dict[str, set[int]] = {}  # each admitted request's finished choices
         self.failed: ServerFailed | None = None
         self.diagnose_s = 0.0  # how long an engine error waits for the job's watch to name a rank (diagnosed)
         self.ready = False
@@ -184,9 +212,10 @@ class Engine:
         self.ready = False
         for outputs in list(self._inflight.values()):
             outputs.put_nowait(self.failed)
-        for waiter in list(self.admission.waiting):
+        for waiter, _slots in list(self.admission.waiting):
             if not waiter.done():
                 waiter.set_exception(self.failed)
+        self.admission.waiting.clear()
 
     async def warm_up(self) -> None:
         """One request through the engine (a prefill step of several tokens, then decode steps of
@@ -230,66 +259,100 @@ class Engine:
                 self.manager.stop(block=False, hard_stop=True)
 
     # ---- one request
-    async def generate(self, req: GenerationRequest, count: bool = True) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Yields (token ids so far, finish reason or None) as the engine makes them; cancels the
-        request in the engine if the consumer stops early. Raises Overloaded, RequestTimeout,
-        EngineFailed."""
+    async def generate(self, req: GenerationRequest, count: bool = True) -> AsyncIterator[Update]:
+        """Yields an Update per choice as the engine makes its tokens (a request of n choices holds
+        n running slots); cancels what is left in the engine if the consumer stops early, and a
+        choice that `end_choice` ended. Raises Overloaded, RequestTimeout, EngineFailed, and a
+        400 for more choices than running slots."""
         arrived = time.perf_counter()
         if self.failed is not None:
             raise self.failed
-        await self.admission.acquire()
+        if req.n > self.admission.max_running:
+            raise APIError(400, f"n = {req.n} asks for more sequences than the server runs at once "
+                                f"({self.admission.max_running}, --max-running)", param="n")
+        await self.admission.acquire(req.n)
         rid = f"{req.kind}-{req.id}"
+        ids_of = self.manager.request_ids(rid, req.n)
+        index_of = {engine_id: i for i, engine_id in enumerate(ids_of)}
         outputs: asyncio.Queue = asyncio.Queue()
-        finished = False
+        ended: set[int] = set()  # choices finished (by the engine, or ended by the consumer)
         self._inflight[rid] = outputs
+        self._ended[rid] = ended
+        sampler = self.manager.sampler
         try:
             if self.failed is not None:
                 raise self.failed
-            self.manager.register_result_handler(rid, outputs.put_nowait)
-            sampling = {"temperature": float(req.temperature), "top_p": float(req.top_p), "top_k": int(req.top_k)}
+            for engine_id in ids_of:
+                self.manager.register_result_handler(engine_id, outputs.put_nowait)
+            sampling = {"temperature": float(req.temperature), "top_p": float(req.top_p), "top_k": int(req.top_k),
+                        **req.penalties}
             if req.seed is not None:  # applied by the sampler before the request's first draw
                 sampling["seed"] = int(req.seed)
+            if req.logprobs is not None:
+                sampler.watch_logprobs(ids_of, req.logprobs)
             stops = sorted(set(self.eos) | set(req.stop_token_ids)) or [-1]
             try:
                 self.manager.add_request(req.prompt_ids, request_id=rid, max_new_tokens=req.max_tokens, streaming=True,
-                                         eos_token_id=stops, **sampling)
+                                         eos_token_id=stops, n=req.n, **sampling)
             except ValueError as e:  # the pool cannot hold it (metainfer.runtime.serving.request_problem)
-                finished = True
+                ended.update(range(req.n))
                 raise APIError(400, str(e), param="max_tokens") from None
             if count:
                 self.metrics.prompt_tokens.inc(len(req.prompt_ids))
             deadline = arrived + self.request_timeout
-            last, sent = arrived, 0
-            while True:
+            last, sent = [arrived] * req.n, [0] * req.n
+            while len(ended) < req.n:
                 try:
                     out = await asyncio.wait_for(outputs.get(), timeout=max(0.0, deadline - time.perf_counter()))
                 except asyncio.TimeoutError:
                     raise RequestTimeout(self.request_timeout) from None
+                if out is _CHOICE_ENDED:
+                    continue
                 if isinstance(out, ServerFailed):
-                    finished = True  # nothing left to cancel: the engine is gone
+                    ended.update(range(req.n))  # nothing left to cancel: the engine is gone
                     raise out
+                i = index_of[out.request_id]
+                if i in ended:
+                    continue  # a choice the consumer ended: its cancellation's result
                 if out.error is not None:
-                    finished = True
+                    ended.add(i)
                     raise await self.diagnosed(EngineFailed(out.error))
                 ids = list(out.generated_tokens)
                 now = time.perf_counter()
-                if count and len(ids) > sent:
-                    (self.metrics.ttft if sent == 0 else self.metrics.tpot).observe(now - last)
-                    self.metrics.generation_tokens.inc(len(ids) - sent)
-                last, sent = now, len(ids)
+                if count and len(ids) > sent[i]:
+                    (self.metrics.ttft if sent[i] == 0 else self.metrics.tpot).observe(now - last[i])
+                    self.metrics.generation_tokens.inc(len(ids) - sent[i])
+                logprobs = sampler.take_logprobs(out.request_id, sent[i], len(ids)) if req.logprobs is not None else None
+                last[i], sent[i] = now, len(ids)
                 if out.is_finished():
-                    finished = True
+                    ended.add(i)
                     self._fed_back += max(0, len(ids) - 1)
-                    yield ids, "stop" if ids and ids[-1] in stops else "length"
-                    return
-                yield ids, None
+                    yield Update(i, ids, "stop" if ids and ids[-1] in stops else "length", logprobs)
+                else:
+                    yield Update(i, ids, None, logprobs)
         finally:
             self._inflight.pop(rid, None)
-            if not finished:
-                self.manager.cancel_request(rid)
-                with self.manager.output_router._lock:
-                    self.manager.output_router.result_handlers.pop(rid, None)
-            self.admission.release()
+            self._ended.pop(rid, None)
+            left = [engine_id for engine_id, i in index_of.items() if i not in ended]
+            for engine_id in left:
+                self.manager.cancel_request(engine_id)
+            with self.manager.output_router._lock:
+                for engine_id in ids_of:
+                    self.manager.output_router.result_handlers.pop(engine_id, None)
+            if req.logprobs is not None:
+                sampler.unwatch(ids_of)
+            self.admission.release(req.n)
+
+    def end_choice(self, req: GenerationRequest, index: int) -> None:
+        """The consumer has what it wants of choice `index` (a stop string matched): the engine
+        stops it now, and generate() stops waiting for it."""
+        rid = f"{req.kind}-{req.id}"
+        ended = self._ended.get(rid)
+        if ended is None or index in ended:
+            return
+        ended.add(index)
+        self.manager.cancel_request(self.manager.request_ids(rid, req.n)[index])
+        self._inflight[rid].put_nowait(_CHOICE_ENDED)  # wakes generate() to see what is left
 
     # ---- metrics read at each scrape
     def _watch(self) -> None:

@@ -13,10 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-# sampling fields OpenAI defines that this server does not compute: refused unless at their default
-_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None,)}
+# fields OpenAI defines that this server does not compute: refused unless at their default
+_UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
+                "functions": (None, []), "tool_choice": (None, "none")}
+MAX_STOPS, MAX_STOP_CHARS = 4, 512  # OpenAI takes up to 4 stop sequences; each is matched per token
+MAX_LOGPROBS = 20  # top log-probabilities a token may carry (OpenAI's chat bound; vLLM's default)
+MAX_N = 16  # choices a request may ask for (each holds a running slot)
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # OpenAI's completions default; chat: capped by positions
 
 
@@ -74,6 +76,12 @@ class GenerationRequest:
     top_k: int = -1  # -1: no top-k
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the detokenised text
+    n: int = 1  # choices (the engine's sequences of one prompt)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely tokens'
+    echo: bool = False  # completions: the prompt's text before the completion's
+    penalties: dict = field(default_factory=dict)  # repetition/presence/frequency_penalty set off their default
+    prompt_text: str | None = None  # a completion's prompt as sent, when it was text (echo)
     stream: bool = False
     include_usage: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -113,8 +121,12 @@ def parse(body: dict, kind: str, model: ModelInfo) -> GenerationRequest:
     for key, defaults in _UNSUPPORTED.items():
         if key in body and not any(body[key] == d and type(body[key]) is type(d) or body[key] is d for d in defaults):
             raise bad(key, f"{key} is not supported by this server")
-    if _number(body, "n", 1, lo=1, hi=1, integer=True) != 1:
-        raise bad("n", "n must be 1")
+    _response_format(body)
+    n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+    logprobs = _logprobs(body, kind)
+    echo = _echo(body, kind, logprobs)
+    penalties = _penalties(body)
+    stop = _stop_strings(body, model)
     prompt = _chat_prompt(body, model) if kind == "chat" else _completion_prompt(body, model)
     key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     room = None if model.max_positions is None else model.max_positions - len(prompt)
@@ -139,8 +151,82 @@ def parse(body: dict, kind: str, model: ModelInfo) -> GenerationRequest:
         temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, open_lo=True),
         top_k=_number(body, "top_k", -1, lo=-1, hi=model.vocab_size, integer=True),
-        seed=seed, stop_token_ids=_stop_ids(body, model), stream=stream,
+        seed=seed, stop_token_ids=_stop_ids(body, model), stop=stop, n=n, logprobs=logprobs, echo=echo,
+        penalties=penalties, prompt_text=_prompt_text(body) if echo else None, stream=stream,
         include_usage=options.get("include_usage", False))
+
+
+def _prompt_text(body: dict) -> str | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def _response_format(body: dict) -> None:
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if isinstance(kind, str) and kind != "text":
+        raise bad("response_format", f"response_format {kind!r} is not supported: this server does not constrain "
+                                     "decoding to a format (only {\"type\": \"text\"})")
+    raise bad("response_format", "response_format must be an object with a string type")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top log-probabilities each token carries (0: the chosen token's alone), or None.
+    Completions: logprobs is that number; chat: logprobs is a boolean and top_logprobs the number."""
+    if kind == "completion":
+        if body.get("top_logprobs") is not None:
+            raise bad("top_logprobs", "top_logprobs is a chat completions field; completions take logprobs: <k>")
+        if body.get("logprobs") is None:
+            return None
+        return _number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad("logprobs", "logprobs must be true or false (top_logprobs says how many alternatives)")
+    top = _number(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+    if top is not None and not wanted:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _echo(body: dict, kind: str, logprobs: int | None) -> bool:
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if kind == "chat":
+        raise bad("echo", "echo is a completions field")
+    if echo is not True:
+        raise bad("echo", "echo must be true or false")
+    if logprobs is not None:
+        raise bad("echo", "echo with logprobs asks for the prompt's log-probabilities, which this server does not "
+                          "compute (the engine keeps only each sequence's last logits)")
+    return True
+
+
+def _penalties(body: dict) -> dict:
+    out = {key: _number(body, key, 0.0, lo=-2.0, hi=2.0) for key in ("presence_penalty", "frequency_penalty")}
+    out["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, lo=0.0, open_lo=True, hi=100.0)
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    return {key: float(v) for key, v in out.items() if v != off[key]}
+
+
+def _stop_strings(body: dict, model: ModelInfo) -> list[str]:
+    stop = body.get("stop")
+    if stop is None or stop == "" or stop == []:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"stop has {len(stops)} strings; at most {MAX_STOPS}")
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
+    if model.tokenizer is None:
+        raise bad("stop", "this model has no tokenizer to match stop strings on: pass stop_token_ids")
+    return list(dict.fromkeys(stops))
 
 
 def _number(body: dict, key: str, default, *, lo=None, hi=None, integer=False, open_lo=False, why_hi=None):
@@ -213,9 +299,6 @@ def _chat_prompt(body: dict, model: ModelInfo) -> list[int]:
 
 
 def _stop_ids(body: dict, model: ModelInfo) -> list[int]:
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise bad("stop", "stop strings are not supported; pass stop_token_ids")
     ids = body.get("stop_token_ids") or []
     if not isinstance(ids, list):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
@@ -232,29 +315,118 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def response(req: GenerationRequest, model: ModelInfo, ids: list[int], finish: str) -> dict:
-    text = text_of(model, ids)
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
-    if req.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+class Choice:
+    """One choice of a request as its tokens arrive: the text to hand out (deltas that add up to
+    the whole text), the tokens kept, the finish reason and the log-probability records. A stop
+    string ends the choice: its text ends before the first stop string found (which is not part
+    of it, as in OpenAI's API) and its tokens at the one that completed it. Text that could be
+    the start of a stop string is held back until the next tokens tell."""
+
+    def __init__(self, index: int, req: GenerationRequest, model: ModelInfo):
+        self.index, self.req, self.model = index, req, model
+        self.detok = Detokenizer(model)
+        self.ids: list[int] = []
+        self.finish: str | None = None
+        self.logprobs: list = []
+        self.text = ""  # all handed out so far
+        self.offset = 0  # characters of the tokens' own texts so far (completions' text_offset)
+        self._held = ""  # text that may begin a stop string
+        self._fed = 0  # tokens whose text was taken
+        self._stopped = False  # a stop string matched
+        self._prefix = (req.prompt_text if req.prompt_text is not None else text_of(model, req.prompt_ids)) \
+            if req.echo else ""
+        self.offset = len(self._prefix)
+
+    def add(self, ids: list[int], finish: str | None, logprobs: list | None = None) -> tuple[str, list[int], list]:
+        """Takes the choice's tokens so far (and the records of the new ones); returns the new text,
+        the new tokens and their records. Sets `finish` once finished (a stop string: "stop")."""
+        if self.finish is not None:
+            return "", [], []
+        text = self._prefix + (self._feed(ids, finish is not None) if self.req.stop else
+                               self.detok.delta(ids, final=finish is not None))
+        self._prefix = ""
+        keep = self._fed if self.req.stop and self._stopped else len(ids)
+        new, records = ids[len(self.ids):keep], (logprobs or [])[:max(0, keep - len(self.ids))]
+        self.ids = ids[:keep]
+        self.logprobs += records
+        self.finish = "stop" if self.req.stop and self._stopped else finish
+        self.text += text
+        return text, new, records
+
+    def _feed(self, ids: list[int], final: bool) -> str:
+        out = []
+        for end in range(self._fed + 1, len(ids) + 1):  # a token at a time: the stop's token is known
+            window = self._held + self.detok.delta(ids[:end], final=final and end == len(ids))
+            self._fed = end
+            found = [at for at in (window.find(s) for s in self.req.stop) if at >= 0]
+            if found:
+                out.append(window[:min(found)])
+                self._held, self._stopped = "", True
+                return "".join(out)
+            hold = _open_stop(window, self.req.stop)
+            out.append(window[:len(window) - hold])
+            self._held = window[len(window) - hold:]
+        if final:
+            out.append(self._held)
+            self._held = ""
+        return "".join(out)
+
+    def logprobs_block(self, records: list) -> dict | None:
+        """OpenAI's logprobs of a choice (or of a chunk's tokens): chat's {"content": [...]},
+        completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+        if self.req.logprobs is None:
+            return None
+        token = lambda t: self.model.tokenizer.decode([t]) if self.model.tokenizer is not None else f"token_id:{t}"  # noqa: E731
+        if self.req.kind == "chat":
+            entry = lambda t, lp: {"token": token(t), "logprob": lp, "bytes": list(token(t).encode())}  # noqa: E731
+            return {"content": [entry(r.token, r.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                                for r in records], "refusal": None}
+        strings = [token(r.token) for r in records]
+        offsets = []
+        for s in strings:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": strings, "token_logprobs": [r.logprob for r in records],
+                "top_logprobs": [{token(t): lp for t, lp in r.top} for r in records], "text_offset": offsets}
+
+
+def _open_stop(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that begin some stop string (the longest such run)."""
+    for k in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0
+
+
+def response(req: GenerationRequest, model: ModelInfo, choices: list[Choice]) -> dict:
+    out = []
+    for c in choices:
+        entry = {"index": c.index, "finish_reason": c.finish, "logprobs": c.logprobs_block(c.logprobs),
+                 "token_ids": c.ids}
+        if req.kind == "chat":
+            entry["message"] = {"role": "assistant", "content": c.text}
+        else:
+            entry["text"] = c.text
+        out.append(entry)
     return {"id": _id(req), "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": req.created, "model": model.name, "choices": [choice],
-            "usage": usage(len(req.prompt_ids), len(ids))}
+            "created": req.created, "model": model.name, "choices": out,
+            "usage": usage(len(req.prompt_ids), sum(len(c.ids) for c in choices))}
 
 
-def chunk(req: GenerationRequest, model: ModelInfo, text: str, ids: list[int], finish: str | None,
+def chunk(req: GenerationRequest, model: ModelInfo, choice: Choice, text: str, ids: list[int], records: list,
           first: bool = False, total: int | None = None) -> dict:
-    """One streamed chunk: the new text and token ids; the last (finish set) carries usage."""
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+    """One streamed chunk of a choice: its new text, token ids and their log-probabilities, and
+    its finish reason once finished; `total` (completion tokens of every choice) on the last."""
+    entry = {"index": choice.index, "finish_reason": choice.finish, "logprobs": choice.logprobs_block(records),
+             "token_ids": ids}
     if req.kind == "chat":
-        choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        entry["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
     else:
-        choice["text"] = text
+        entry["text"] = text
     out = {"id": _id(req), "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
-           "created": req.created, "model": model.name, "choices": [choice]}
-    if finish is not None and total is not None:
+           "created": req.created, "model": model.name, "choices": [entry]}
+    if total is not None:
         out["usage"] = usage(len(req.prompt_ids), total)
     return out
 
@@ -272,20 +444,27 @@ def _id(req: GenerationRequest) -> str:
 class Detokenizer:
     """The text of a growing token list, handed out as deltas, decoding a window of a few tokens
     per step (not the whole text again): the tokens since the last delta, after the ones before
-    it as context (so a tokenizer's word joins come out as in the whole text). A delta that
-    would end inside a multi-byte character (decoded as U+FFFD) waits for the next token."""
+    it as context (so a tokenizer's word joins come out as in the whole text). A multi-byte
+    character split over tokens (decoded as U+FFFD) waits for the token that completes it; the
+    text before it goes out now."""
 
     def __init__(self, model: ModelInfo):
         self.model = model
         self.context = 0  # ids[context:sent]: decoded with the new ones so their joins are right
-        self.sent = 0  # ids handed out as text
+        self.sent = 0  # ids whose text is all handed out
+        self.partial = 0  # characters handed out of the tokens after `sent` (before a split character)
 
     def delta(self, ids: list[int], final: bool = False) -> str:
         if self.model.tokenizer is None or len(ids) <= self.sent:
             return ""
         before = text_of(self.model, ids[self.context:self.sent])
         after = text_of(self.model, ids[self.context:])
-        if (after.endswith("\ufffd") and not final) or len(after) <= len(before) or not after.startswith(before):
+        complete = after if final else after.rstrip("\ufffd")
+        shown = len(before) + self.partial
+        if len(complete) <= shown or not after.startswith(before):
             return ""
-        self.context, self.sent = self.sent, len(ids)
-        return after[len(before):]
+        if complete == after:
+            self.context, self.sent, self.partial = self.sent, len(ids), 0
+        else:
+            self.partial = len(complete) - len(before)
+        return complete[shown:]

@@ -126,3 +126,17 @@ def test_the_sampler_stands_only_for_temperature_top_k_top_p():
     assert sampling.Sampler.replacing(GenerationConfig(do_sample=False), processors()) is None
     with pytest.raises(ValueError, match="top_p"):
         sampling.Sampler(top_p=0.0)
+
+
+def test_extreme_parameters_still_draw_the_most_likely_token():
+    """Found by fuzzing the server: a top_p that rounds to 0 in fp32 (5e-324) kept no candidate,
+    and a repetition penalty that small divides logits to inf; both must still draw the argmax."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    for dense in (False, True):
+        tokens = sampling.sample(logits, torch.ones(3), torch.zeros(3, dtype=torch.long),
+                                 torch.full((3,), 5e-324), dense=dense)
+        assert torch.equal(tokens, logits.argmax(-1))
+    out = sampling.penalise(logits, [0], [{"repetition_penalty": 5e-324, "presence_penalty": 0.0,
+                                           "frequency_penalty": 0.0}], [[1, 2, 3]], [[]])
+    assert torch.isfinite(out).all()
+    assert int(out[0].argmax()) in {1, 2, 3} or float(logits[0, [1, 2, 3]].max()) <= 0

@@ -278,6 +278,10 @@ def _parse(kind="completion", **body):
     ({"response_format": {"type": "json_schema"}}, "response_format", "'json_schema' is not supported"),
     ({"response_format": "json"}, "response_format", "object"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    # found by fuzzing: falsy values of the wrong type were taken as "not set"
+    ({"stream": 0}, "stream", "true or false"),
+    ({"stream_options": ""}, "stream_options", "object"),
+    ({"stop_token_ids": 0}, "stop_token_ids", "list"),
 ])
 def test_a_bad_field_is_a_400_naming_it(body, param, words):
     with pytest.raises(protocol.APIError) as e:
@@ -286,7 +290,8 @@ def test_a_bad_field_is_a_400_naming_it(body, param, words):
 
 
 @pytest.mark.parametrize("body, param", [({"logprobs": 2}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-                                         ({"echo": True}, "echo")])
+                                         ({"echo": True}, "echo"),
+                                         ({"max_completion_tokens": 4, "max_tokens": "x"}, "max_tokens")])
 def test_chat_takes_its_own_logprob_fields(body, param):
     with pytest.raises(protocol.APIError) as e:
         _parse("chat", **body)

@@ -83,7 +83,7 @@ def penalise(scores: torch.Tensor, rows: list[int], penalties: list[dict], promp
     sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
     sub = sub - counts * value("frequency_penalty") - (counts > 0).to(sub.dtype) * value("presence_penalty")
     out = scores.clone()
-    out[rows] = sub
+    out[rows] = sub.clamp(-torch.finfo(sub.dtype).max, torch.finfo(sub.dtype).max)  # a tiny penalty divides to inf
     return out
 
 
@@ -143,7 +143,8 @@ def _candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     norm = torch.where(top_k < vocab, values.logsumexp(-1), scaled.logsumexp(-1))
     probs = (values - norm[:, None]).exp()
     before = probs.cumsum(-1) - probs  # mass of the candidates ranked above: top-p keeps those with < p
-    return probs.masked_fill(before >= top_p[:, None], 0.0), index
+    # and always the most likely (a top_p that rounds to 0 in fp32 keeps one, as transformers does)
+    return probs.masked_fill((before >= top_p[:, None]) & (rank[None, :] > 0), 0.0), index
 
 
 class Sampler(ContinuousBatchingLogitsProcessorList):

@@ -23,8 +23,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import protocol
+from . import protocol, schema
 from .engine import Engine
 from .metrics import Metrics
 from .protocol import APIError, ModelInfo
@@ -85,21 +86,23 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
             log.exception("internal error %s on %s %s", ref, request.method, request.url.path)
             return _error(APIError(500, f"internal error (id {ref} in the server's log)", code="internal_error"))
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=schema.plain("the process answers"))
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", openapi_extra=schema.plain("the engine's graphs are compiled and warm",
+                                                  _503="warming up, or failing"))
     async def ready():
         if engine.ready:
             return {"status": "ready"}
         return JSONResponse({"status": "warming up"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=schema.plain("Prometheus' text format", {"type": "string"},
+                                                    media="text/plain"))
     async def metrics_():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=schema.plain("the served model", _401="a valid API key is required"))
     async def models():
         entry = {"id": model.name, "object": "model", "created": 0, "owned_by": "metainfer",
                  "max_model_len": model.max_positions}
@@ -132,17 +135,23 @@ def build_app(engine: Engine, model: ModelInfo, metrics: Metrics, api_key: str |
         return StreamingResponse(_chain(head, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=schema.generation("completion", model))
     async def completions(request: Request):
         return await generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schema.generation("chat", model))
     async def chat_completions(request: Request):
         return await generate(request, "chat")
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _e):
-        return _error(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        """The router's own answers (no such route, a method a route does not take) in OpenAI's shape."""
+        if e.status_code == 404:
+            return _error(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+        if e.status_code == 405:
+            return _error(APIError(405, f"{request.url.path} does not take {request.method}", code="method_not_allowed",
+                                   headers=dict(e.headers or {})))
+        return _error(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
 
     return app
 

@@ -137,10 +137,12 @@ def parse(body: dict, kind: str, model: ModelInfo) -> GenerationRequest:
     max_tokens = _number(body, key, default, lo=1, hi=room, integer=True,
                          why_hi=f"the prompt's {len(prompt)} tokens + {key} must fit the model's "
                                 f"{model.max_positions} positions")
-    stream = body.get("stream") or False
+    if key == "max_completion_tokens":  # it wins over max_tokens, which must still be one (found by fuzzing)
+        _number(body, "max_tokens", None, lo=1, integer=True)
+    stream = False if body.get("stream") is None else body["stream"]  # 0 or "" are not false
     if not isinstance(stream, bool):
         raise bad("stream", "stream must be true or false")
-    options = body.get("stream_options") or {}
+    options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise bad("stream_options", "stream_options must be an object with a boolean include_usage")
     seed = body.get("seed")
@@ -165,10 +167,10 @@ def _prompt_text(body: dict) -> str | None:
 
 def _response_format(body: dict) -> None:
     fmt = body.get("response_format")
-    if fmt is None or fmt == {"type": "text"}:
-        return
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if isinstance(kind, str) and kind != "text":
+    if fmt is None or kind == "text":
+        return
+    if isinstance(kind, str):
         raise bad("response_format", f"response_format {kind!r} is not supported: this server does not constrain "
                                      "decoding to a format (only {\"type\": \"text\"})")
     raise bad("response_format", "response_format must be an object with a string type")
@@ -215,7 +217,7 @@ def _penalties(body: dict) -> dict:
 
 def _stop_strings(body: dict, model: ModelInfo) -> list[str]:
     stop = body.get("stop")
-    if stop is None or stop == "" or stop == []:
+    if stop is None or (isinstance(stop, (str, list)) and len(stop) == 0):
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
@@ -299,7 +301,7 @@ def _chat_prompt(body: dict, model: ModelInfo) -> list[int]:
 
 
 def _stop_ids(body: dict, model: ModelInfo) -> list[int]:
-    ids = body.get("stop_token_ids") or []
+    ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
     if not isinstance(ids, list):
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     return _check_ids(ids, "stop_token_ids", model)

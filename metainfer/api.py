@@ -249,15 +249,17 @@ class OptimizedModel:
         return serving.generate_batch(self, inputs, generation_config, continuous_batching_config, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
-                                 workload_hints=None, exchange: str = "auto"):
+                                 workload_hints=None, exchange: str = "auto", speculation=None):
         """The engine's streaming manager (add_request / get_result / start / stop), its forwards
         running metainfer's graphs between start() and stop() (see metainfer.runtime.serving).
         In a tensor-parallel job, `exchange` is how the ranks exchange each step's requests:
         "auto" (shared memory where the group shares this host), "shm" or "gloo" (the
-        engine's own; metainfer.runtime.exchange)."""
+        engine's own; metainfer.runtime.exchange). `speculation`: (drafter, max draft tokens) of
+        metainfer.runtime.serve_speculation, for greedy requests."""
         from metainfer.runtime import serving
 
-        return serving.Manager(self, generation_config, continuous_batching_config, workload_hints, exchange=exchange)
+        return serving.Manager(self, generation_config, continuous_batching_config, workload_hints, exchange=exchange,
+                               speculation=speculation)
 
     @contextlib.contextmanager
     def _installed(self, phase, step=None, observe=None, symbolic=None):

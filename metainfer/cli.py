@@ -282,7 +282,8 @@ def cmd_serve(a) -> int:
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
     run_options = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
                        max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout,
-                       grace=a.grace, max_request_bytes=a.max_request_bytes)
+                       grace=a.grace, max_request_bytes=a.max_request_bytes,
+                       speculation=_speculation(a, device))
 
     def load(on: str):
         try:
@@ -307,6 +308,27 @@ def cmd_serve(a) -> int:
     info = ModelInfo(name=name, vocab_size=model.config.vocab_size,
                      max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer)
     return app.run(opt, info, cb_config=cfg, **run_options)
+
+
+def _speculation(a, device):
+    """(drafter, max draft tokens) from --speculative prompt-lookup | draft MODEL, or None."""
+    if not a.speculative:
+        return None
+    from metainfer import servebench
+    from metainfer.runtime import serve_speculation
+
+    kind, *rest = a.speculative
+    if kind == "prompt-lookup" and not rest:
+        return serve_speculation.drafter(kind), a.draft_tokens
+    if kind == "draft" and len(rest) == 1:
+        import torch
+
+        try:
+            draft, _tok, _name = servebench.load_model(rest[0], dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--speculative draft {rest[0]}: {e}") from None
+        return serve_speculation.drafter(kind, draft.to(device)), a.draft_tokens
+    raise UsageError(f"--speculative {' '.join(a.speculative)}: give 'prompt-lookup' or 'draft MODEL'")
 
 
 def cmd_targets(a) -> int:
@@ -507,6 +529,11 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--grace", type=float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds in-flight requests get to finish (default 30)")
     sv.add_argument("--num-blocks", type=_positive_int, metavar="N", help="KV pool blocks (default: the planner's)")
+    sv.add_argument("--speculative", nargs="+", metavar="KIND", help="speculative decoding of greedy requests: "
+                    "'prompt-lookup' (drafts from the request's own n-grams) or 'draft MODEL' (a small model of the "
+                    "same vocabulary: a benchmark name, config.json or folder, as --model)")
+    sv.add_argument("--draft-tokens", type=_positive_int, default=4, metavar="K",
+                    help="with --speculative: at most K draft tokens a request a step (default 4)")
     sv.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step")
     sv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
     sv.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")

@@ -236,6 +236,10 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
                 self._watched[rid] = top
                 self._logprobs[rid] = {}
 
+    def watches(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._watched
+
     def take_logprobs(self, request_id: str, start: int, end: int) -> list[TokenLogprob]:
         """The records of generated positions [start, end) of a watched request (handed out once)."""
         with self._lock:

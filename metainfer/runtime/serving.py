@@ -591,7 +591,7 @@ class Manager:
     the capacity, compile and run notes generate_batch writes."""
 
     def __init__(self, opt, generation_config=None, continuous_batching_config=None, workload_hints=None,
-                 exchange: str = "auto"):
+                 exchange: str = "auto", speculation=None):
         self._opt = opt
         hints = workload_hints
         tokens = ([hints.max_prompt_length + hints.max_generated_length] * hints.num_requests
@@ -614,6 +614,9 @@ class Manager:
             _note(opt, _exchange_note(self.exchange))
         self._sample_in_metainfer(cfg)
         self._deliver_cancellations()
+        self.speculation = None
+        if speculation is not None:
+            self._speculate(*speculation)
 
     def start(self) -> None:
         self._forwards = forwards(self._opt, self._paged)
@@ -634,6 +637,8 @@ class Manager:
             self._attention.__exit__(None, None, None)
             if self.exchange is not None and not self._manager.is_running():
                 self.exchange.close()
+            if self.speculation is not None:
+                self.speculation.close()
             if steps is not None and steps.steps:
                 _note(self._opt, f"serving run: {steps.steps} steps, {steps.tokens} query tokens computed for "
                                  f"{self._admitted} prompt tokens admitted (streaming)")
@@ -743,6 +748,25 @@ class Manager:
             return processor
 
         manager._create_batch_processor = create
+
+    def _speculate(self, drafter, max_draft: int) -> None:
+        """Greedy requests decode speculatively (metainfer.runtime.serve_speculation): each batch
+        processor the engine makes gets the hooks."""
+        from metainfer.runtime import serve_speculation
+
+        self.speculation = serve_speculation.EngineSpeculation(self, self._opt.model, drafter, max_draft)
+        make = self._manager._create_batch_processor
+
+        def create():
+            processor = make()
+            if not getattr(processor, "_metainfer_speculation", False):
+                self.speculation.install(processor)
+                processor._metainfer_speculation = True
+            return processor
+
+        self._manager._create_batch_processor = create
+        _note(self._opt, f"serving: speculative decoding of greedy requests, {drafter.name}, at most {max_draft} "
+                         "draft tokens a step")
 
     def kv_blocks(self) -> tuple[float, float, float]:
         """The KV pool's blocks (of every layer group) held by requests, kept after their request

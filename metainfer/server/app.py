@@ -297,12 +297,14 @@ def _sse(obj: dict) -> str:
 
 def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_running: int = 64, max_queue: int = 256, request_timeout: float = 600.0, grace: float = 30.0,
-        cb_config=None, log_level: str = "info", rank0=None, max_request_bytes: int | None = None) -> int:
+        cb_config=None, log_level: str = "info", rank0=None, max_request_bytes: int | None = None,
+        speculation=None) -> int:
     """Serve `opt` (an OptimizedModel of a transformers causal LM) until SIGTERM or SIGINT: then
     stop accepting, give in-flight requests `grace` seconds to finish, cancel the rest, stop the
     engine; returns the exit status: 0 after a drain, 1 when the engine failed. `rank0`
     (metainfer.server.ranks.Rank0): this is rank 0 of a job whose other ranks follow its engine;
-    a fault of any rank fails the server (and the process exits from rank0.finish)."""
+    a fault of any rank fails the server (and the process exits from rank0.finish). `speculation`:
+    (drafter, max draft tokens) of metainfer.runtime.serve_speculation."""
     import dataclasses
 
     import uvicorn
@@ -311,7 +313,7 @@ def run(opt, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000, api
 
     metrics = Metrics()
     engine = Engine(opt, max_running=max_running, max_queue=max_queue, request_timeout=request_timeout,
-                    metrics=metrics, cb_config=cb_config)
+                    metrics=metrics, cb_config=cb_config, speculation=speculation)
     if rank0 is not None:  # the watch names a rank at fault within its beat timeout (at once for an exit)
         engine.diagnose_s = rank0.watch.rank_timeout_s + 1.0
     parallel = ranks.parallel_of(opt, engine, rank0.job if rank0 is not None else None)

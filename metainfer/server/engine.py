@@ -27,8 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import torch
-
 from .metrics import Metrics
 from .protocol import APIError, GenerationRequest
 
@@ -120,12 +118,13 @@ class Admission:
             future.set_result(None)
 
 
-def engine_manager(opt, cb_config=None, max_running: int | None = None):
+def engine_manager(opt, cb_config=None, max_running: int | None = None, speculation=None):
     """The continuous-batching manager the server drives, made alike on every rank of a job (the
     others follow rank 0's): a sampling config with no processors of its own, so the engine
     samples with metainfer's Sampler, each request passing its own temperature (0: greedy),
     top-k, top-p and seed. Its KV pool holds what admission allows, `max_running` requests of the
-    model's whole context (or less where memory bounds it; the capacity note says which)."""
+    model's whole context (or less where memory bounds it; the capacity note says which).
+    `speculation`: (drafter, max draft tokens): greedy requests decode speculatively."""
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -139,7 +138,7 @@ def engine_manager(opt, cb_config=None, max_running: int | None = None):
     hints = (WorkloadHints(max_prompt_length=positions, max_generated_length=0, num_requests=max_running)
              if max_running and isinstance(positions, int) else None)
     manager = opt.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config,
-                                           workload_hints=hints)
+                                           workload_hints=hints, speculation=speculation)
     if not isinstance(manager.logit_processor, Sampler):
         raise RuntimeError(f"the engine did not take metainfer's sampler (it has {manager.logit_processor!r})")
     return manager
@@ -162,9 +161,9 @@ def tuning_shapes(max_batch_tokens: int, max_running: int, max_positions: int) -
 
 class Engine:
     def __init__(self, opt, *, max_running: int, max_queue: int, request_timeout: float, metrics: Metrics,
-                 cb_config=None):
+                 cb_config=None, speculation=None):
         self.opt, self.metrics, self.request_timeout = opt, metrics, request_timeout
-        self.manager = engine_manager(opt, cb_config, max_running)
+        self.manager = engine_manager(opt, cb_config, max_running, speculation)
         eos = opt.model.generation_config.eos_token_id if opt.model.generation_config is not None else None
         self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.admission = Admission(max_running, max_queue)
@@ -367,6 +366,11 @@ class Engine:
         for i, state in enumerate(("used", "cached", "free")):
             m.kv_blocks.labels(state).set_function(lambda i=i: self._blocks()[i])
         m.prefix_hit.set_function(self._prefix_hit)
+        spec = getattr(self.manager, "speculation", None)
+        if spec is not None:
+            m.spec_drafted.set_function(lambda: spec.stats.drafted)
+            m.spec_accepted.set_function(lambda: spec.stats.accepted)
+            m.spec_acceptance.set_function(lambda: spec.stats.acceptance)
         stats = lambda: getattr(getattr(self.manager, "exchange", None), "stats", None)  # noqa: E731 - None: one rank
         m.exchange_seconds.set_function(lambda: stats().status_s + stats().payload_s if stats() else 0.0)
         m.exchange_steps.set_function(lambda: stats().status_calls if stats() else 0)

@@ -36,6 +36,11 @@ class Metrics:
         self.degrees = Info("metainfer_parallel", "How the model is spread over the ranks, and why", registry=r)
         self.exchange_seconds = Gauge("metainfer_rank_exchange_seconds", "Seconds rank 0's engine has spent in its "
                                       "per-step exchange with the other ranks (waiting for them included)", registry=r)
+        self.spec_drafted = Gauge("metainfer_spec_drafted_tokens", "Draft tokens verified by speculative decoding",
+                                  registry=r)
+        self.spec_accepted = Gauge("metainfer_spec_accepted_tokens", "Draft tokens the model accepted", registry=r)
+        self.spec_acceptance = Gauge("metainfer_spec_acceptance", "Accepted / drafted tokens (0 before any draft)",
+                                     registry=r)
         self.exchange_steps = Gauge("metainfer_rank_exchange_steps", "Per-step exchanges rank 0's engine has made "
                                     "(its loop's iterations)", registry=r)
 

@@ -188,7 +188,8 @@ def serve(*, world: int, argv: list[str], load, target, lowering: str | None, ex
         return EXIT_FAILED
     if rank0 is None:
         try:
-            return follow(opt, cb_config, job, progress, run_options.get("max_running"))
+            return follow(opt, cb_config, job, progress, run_options.get("max_running"),
+                          run_options.get("speculation"))
         except BaseException as e:  # noqa: BLE001
             report_start_failure(job, e)
             return EXIT_FAILED
@@ -206,14 +207,15 @@ def serve(*, world: int, argv: list[str], load, target, lowering: str | None, ex
 
 # ---- a rank other than 0 -------------------------------------------------------------------
 
-def follow(opt, cb_config, job: launch.Job, heartbeat_progress, max_running: int | None = None) -> int:
+def follow(opt, cb_config, job: launch.Job, heartbeat_progress, max_running: int | None = None,
+           speculation=None) -> int:
     """Run this rank's engine, following rank 0's, until rank 0 stops it; the exit status."""
     from metainfer.server.engine import engine_manager
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains the job; this rank follows it
         signal.signal(sig, lambda s, _f: log.info("rank %d: %s: following rank 0's drain", job.rank,
                                                   signal.Signals(s).name))
-    manager = engine_manager(opt, cb_config, max_running)  # the pool rank 0 plans (agreed as the minimum)
+    manager = engine_manager(opt, cb_config, max_running, speculation)  # the pool rank 0 plans (agreed as the minimum)
     heartbeat_progress.manager = manager
     inject(manager, job.rank)
     manager.start()

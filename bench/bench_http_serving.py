@@ -148,6 +148,8 @@ def main() -> None:
                     "shared-memory collectives between its ranks)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1],
                     help="metainfer serve over each of these rank counts (--ranks N), one after the other")
+    ap.add_argument("--speculative", action="store_true",
+                    help="also metainfer serve --speculative prompt-lookup (one rank), after the others")
     a = ap.parse_args()
     workload = servebench.Workload.synthetic(a.requests, prompt=tuple(a.prompt), output=a.output, seed=1)
     tokenizer = servebench.word_tokenizer(servebench.MODELS[a.model]["vocab_size"])
@@ -156,18 +158,29 @@ def main() -> None:
         folder = os.path.join(tmp, a.model)
         servebench.build_model(a.model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        for ranks in a.ranks if "metainfer" not in a.skip else ():
+        variants = [(ranks, []) for ranks in a.ranks] + ([(1, ["--speculative", "prompt-lookup"])] if a.speculative else [])
+        for ranks, extra in variants if "metainfer" not in a.skip else ():
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = _start([sys.executable, "-m", "metainfer", "serve", "--model", folder, "--port", str(port),
                            "--num-blocks", str(a.num_blocks), "--max-running", str(max(64, a.concurrency)),
-                           "--ranks", str(ranks), "--target", a.target],
-                          url, "/ready", os.path.join(tmp, f"metainfer-{ranks}.log"))
+                           "--ranks", str(ranks), "--target", a.target, *extra],
+                          url, "/ready", os.path.join(tmp, f"metainfer-{ranks}{'-spec' if extra else ''}.log"))
             try:
-                name = "metainfer serve" + (f" --ranks {ranks}" if len(a.ranks) > 1 else "")
+                name = "metainfer serve" + (f" --ranks {ranks}" if len(a.ranks) > 1 else "") + \
+                    (" --speculative" if extra else "")
                 before = scrape_metrics(url)
                 results.append(_measure(name, url, workload, tokenizer, a.concurrency, a.rounds))
-                exchanges.append((name, scrape_metrics(url), before))
+                after = scrape_metrics(url)
+                exchanges.append((name, after, before))
+                drafted = after.get("metainfer_spec_drafted_tokens", 0) - before.get("metainfer_spec_drafted_tokens", 0)
+                if drafted:
+                    accepted = after["metainfer_spec_accepted_tokens"] - before.get("metainfer_spec_accepted_tokens", 0)
+                    chosen = {key.split('"')[1]: v - before.get(key, 0) for key, v in after.items()
+                              if key.startswith("metainfer_spec_draft_length_steps{")}
+                    print(f"{name}: {drafted:.0f} tokens drafted, {accepted:.0f} accepted "
+                          f"({accepted / drafted:.0%}) over the warm-up and measured passes; engine steps by the "
+                          f"draft length chosen: {', '.join(f'{k}: {v:.0f}' for k, v in sorted(chosen.items()) if v)}")
             finally:
                 _stop(proc)
         if "transformers" not in a.skip:

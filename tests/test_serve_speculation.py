@@ -176,3 +176,26 @@ def test_metainfer_serve_speculative_over_http(tmp_path):
                               "cpu", lowering="aot_eager")
     want, _, _ = _run(opt_, [PROMPTS[0]], max_new_tokens=30)
     assert whole == want[0]
+
+
+def test_the_draft_length_follows_measured_step_times_and_acceptance():
+    """Hand-worked cases: with a step as long whatever its tokens (a memory-bound GPU decode)
+    every accepted draft is free, so the maximum; with a step proportional to its tokens (a
+    compute-bound CPU batch) a request yields expected_accepted(a, k) < k + 1 tokens for k + 1
+    tokens' time, so none; and while none pays, a probe every PROBE_EVERY steps."""
+    import types
+
+    model = torch.nn.Linear(1, 1)
+    model.config = types.SimpleNamespace(vocab_size=8)
+    spec = serve_speculation.EngineSpeculation(None, model, serve_speculation.PromptLookup(), max_draft=4)
+    assert spec.draft_length(8, 8) == 4  # nothing measured yet: probe at the maximum
+    spec.acceptance.observe(4, 3)
+    for tokens in (8, 16, 24, 40, 8, 16, 24, 40):
+        spec.step_times.add(tokens, 0.02)  # flat
+    assert spec.draft_length(8, 8) == 4
+    spec.step_times = serve_speculation.StepTimes()
+    for tokens in (8, 16, 24, 40, 8, 16, 24, 40):
+        spec.step_times.add(tokens, 0.001 * tokens)  # proportional
+    lengths = [spec.draft_length(8, 8) for _ in range(2 * serve_speculation.PROBE_EVERY)]
+    assert lengths.count(0) == len(lengths) - 2 and lengths.count(4) == 2
+    spec.close()

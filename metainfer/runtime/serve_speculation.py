@@ -5,8 +5,9 @@ with one more (the argmax after the last accepted), and the rest are taken back.
 
 Three hooks on the engine, nothing else of its scheduling changes:
 - the scheduler's candidate pass: before it budgets a step, each eligible decoding request's
-  `tokens_to_process` becomes [last token, drafts...] (drafts fit the step's token budget and the
-  request's pool; a request the step does not take gets its one token back);
+  `tokens_to_process` becomes [last token, drafts...] (drafts take only the step's token budget
+  that prefills leave, and must fit the request's pool; a request the step does not take gets
+  its one token back);
 - the model's forward (a forward hook): reads the logits at every query position, counts the
   accepted drafts, and moves the row after the last accepted one to the request's last position,
   which is the row the engine samples its token from (the argmax there is the next token);
@@ -21,6 +22,17 @@ max_tokens are checked where they always are). Models with sliding-window layers
 their ring buffer cannot take rejected rows back. Greedy tokens are those of the same request
 without speculation (tests/test_serve_speculation.py).
 
+The draft length of a step is chosen, as generate()'s is (metainfer.runtime.speculative), by
+`planner.best_draft_length` from measured figures: the acceptance rate (a Beta posterior over
+the drafts verified so far), the engine's decode steps' seconds as a line in the step's query tokens
+(least squares over the last STEP_WINDOW such steps: a drafted token costs a decoded token's
+work, its LM head row included, which a prefill token does not), and a draft model's seconds per drafted token.
+A step of R drafting requests and T other query tokens yields R x expected_accepted(a, k)
+tokens in step(T + R k) + R k x draft seconds; k = 0 (no drafts) wins where verifying costs
+more than acceptance returns (a compute-bound batch). Until MIN_STEPS steps are measured the
+flag's maximum is drafted, and while k = 0 is chosen every PROBE_EVERY-th step drafts it
+again (so the rate and the line stay measured); steps that compiled a graph are not measured.
+
 Drafters: prompt lookup (transformers' PromptLookupCandidateGenerator: the continuation of the
 longest recent n-gram seen before in the request's tokens; free), or a draft model (greedy,
 batch 1 per request, its own DynamicCache per request cropped back on rejection).
@@ -28,12 +40,40 @@ batch 1 per request, its own DynamicCache per request cropped back on rejection)
 
 from __future__ import annotations
 
+import collections
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger("metainfer.speculation")
+
+
+STEP_WINDOW = 256  # engine steps the step-time line is fitted over
+MIN_STEPS = 8  # steps measured before the draft length is chosen from them
+PROBE_EVERY = 16  # while no drafting pays, every this many drafting-eligible steps draft anyway
+
+
+class StepTimes:
+    """The engine's step seconds by the step's query tokens, over the last STEP_WINDOW steps."""
+
+    def __init__(self):
+        self.steps: collections.deque = collections.deque(maxlen=STEP_WINDOW)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+
+    def seconds(self, tokens: float) -> float | None:
+        """A least-squares line's seconds at `tokens` (its slope at least 0); None before MIN_STEPS."""
+        if len(self.steps) < MIN_STEPS:
+            return None
+        n = len(self.steps)
+        mx = sum(t for t, _ in self.steps) / n
+        my = sum(s for _, s in self.steps) / n
+        var = sum((t - mx) ** 2 for t, _ in self.steps)
+        slope = sum((t - mx) * (s - my) for t, s in self.steps) / var if var > 0 else my / max(mx, 1.0)
+        return max(my + max(slope, 0.0) * (tokens - mx), 1e-9)
 
 
 @dataclass
@@ -43,6 +83,7 @@ class SpeculationStats:
     drafted: int = 0  # drafted tokens verified
     accepted: int = 0  # of them, accepted
     steps: int = 0  # request-steps that verified drafts
+    lengths: dict = field(default_factory=dict)  # draft length chosen -> engine steps it was chosen for
 
     @property
     def acceptance(self) -> float:
@@ -132,7 +173,8 @@ def drafter(kind: str, model=None):
 class EngineSpeculation:
     """Speculation installed on one engine manager (see the module docstring)."""
 
-    def __init__(self, manager, model, drafter, max_draft: int = 4):
+    def __init__(self, manager, model, drafter, max_draft: int = 4, graphs=lambda: 0):
+        """`graphs()`: graphs compiled so far (a step that compiled one is not timed)."""
         if max_draft < 1:
             raise ValueError(f"speculation needs at least one draft token, not {max_draft}")
         layer_types = getattr(model.config, "layer_types", None)
@@ -147,9 +189,18 @@ class EngineSpeculation:
         self.manager, self.model, self.drafter, self.max_draft = manager, model, drafter, max_draft
         self.stats = SpeculationStats()
         self.failed = False  # the drafter raised: no more drafts
+        from metainfer.runtime.speculative import Acceptance, _Mean
+
+        self.acceptance = Acceptance()
+        self.step_times = StepTimes()
+        self.draft_seconds = _Mean()  # per drafted token (prompt lookup's counted too: its search)
+        self._step_started: float | None = None
+        self._graphs, self._graphs_before = graphs, 0
+        self._since_probe = 0  # eligible steps since drafts were last verified
         self._pending: dict[str, list[int]] = {}  # this step's drafts by request id
         self._verified: dict[str, tuple[list[int], int]] = {}  # accepted drafts, drafted count
         self._step = None  # this forward's drafted spans (set by the pre-hook)
+        self._drafting = 0.0  # seconds this step spent drafting
         self._hooks = [model.register_forward_pre_hook(self._ask_every_drafted_row, with_kwargs=True),
                        model.register_forward_hook(self._verify, with_kwargs=True)]
 
@@ -164,6 +215,7 @@ class EngineSpeculation:
         process = scheduler._process_candidates
 
         def process_with_drafts(candidates, token_budget, *args, **kwargs):
+            self._step_started, self._graphs_before = time.perf_counter(), self._graphs()
             drafted = self._draft(candidates, token_budget, processor)
             result = process(candidates, token_budget, *args, **kwargs)
             scheduled = {f.state.request_id for f in result[0]}
@@ -177,8 +229,16 @@ class EngineSpeculation:
         update = processor.update_batch
 
         def update_with_accepted():
+            batch = processor.inputs_and_outputs.requests_in_batch
+            tokens = sum(f.query_length for f in batch)
+            # a step of decoding requests only (drafts or not): the steps the draft length is for
+            decode = all(f.query_length == 1 or f.state.request_id in self._verified for f in batch)
             self._accept(processor)
-            return update()
+            out = update()  # the engine reads the step's tokens back: the step's work is done
+            if decode and self._step_started is not None and self._graphs() == self._graphs_before:
+                self.step_times.add(tokens, time.perf_counter() - self._step_started - self._drafting)
+            self._step_started = None
+            return out
 
         processor.update_batch = update_with_accepted
 
@@ -206,15 +266,27 @@ class EngineSpeculation:
 
         if self.failed:
             return []
+        self._drafting = 0.0
         sampler = getattr(self.manager, "sampler", None)
         decoding = [s for s in candidates if s.status == RequestStatus.DECODING]
-        spare = token_budget - len(decoding)
         drafted = []
         if candidates:
             active = set(processor.scheduler.active_requests)
             self.drafter.forget(active)
-        for state in decoding:
-            room = min(self._eligible_room(state, sampler), spare)
+        rooms = [(state, room) for state in decoding if (room := self._eligible_room(state, sampler)) > 0]
+        if not rooms:
+            return drafted
+        others = sum(len(s.remaining_prefill_tokens or s.tokens_to_process) for s in candidates
+                     if s.status != RequestStatus.DECODING)
+        # drafts take only the budget prefills leave: a prompt waiting for its first token goes first
+        spare = token_budget - min(token_budget, len(decoding) + others)
+        if spare < 1:
+            return drafted
+        k = self.draft_length(len(rooms), min(token_budget, len(decoding) + others))
+        self.stats.lengths[k] = self.stats.lengths.get(k, 0) + 1
+        started = time.perf_counter()
+        for state, room in rooms:
+            room = min(room, k, spare)
             if room < 1:
                 continue
             try:
@@ -230,7 +302,27 @@ class EngineSpeculation:
             self._pending[state.request_id] = drafts
             spare -= len(drafts)
             drafted.append(state)
+        self._drafting = time.perf_counter() - started
+        if drafted:
+            self.draft_seconds.add(self._drafting, sum(len(d) for d in self._pending.values()))
         return drafted
+
+    def draft_length(self, requests: int, other_tokens: int) -> int:
+        """The draft length for a step of `requests` drafting requests and `other_tokens` query
+        tokens besides theirs: best_draft_length over measured acceptance and step time."""
+        from metainfer.hardware import planner
+
+        if self.step_times.seconds(other_tokens) is None:
+            return self.max_draft  # probing: the rate and the step line get measured
+        per_token = self.draft_seconds.value or 0.0
+        k, _, _ = planner.best_draft_length(
+            self.acceptance.rate, lambda n: self.step_times.seconds(other_tokens + requests * (n - 1)),
+            lambda k: requests * k * per_token, max_draft=self.max_draft)
+        self._since_probe = 0 if k else self._since_probe + 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            return self.max_draft
+        return k
 
     def _ask_every_drafted_row(self, module, args, kwargs):
         """Forward pre-hook: the engine asks the model for the logits of each request's last
@@ -283,6 +375,7 @@ class EngineSpeculation:
                 m += 1
             chosen[first] = at(first, start) + m  # the argmax after the accepted drafts
             self._verified[state.request_id] = (drafts[:m], k)
+            self.acceptance.observe(k, m)
             self.stats.drafted += k
             self.stats.accepted += m
             self.stats.steps += 1

@@ -754,7 +754,8 @@ class Manager:
         processor the engine makes gets the hooks."""
         from metainfer.runtime import serve_speculation
 
-        self.speculation = serve_speculation.EngineSpeculation(self, self._opt.model, drafter, max_draft)
+        self.speculation = serve_speculation.EngineSpeculation(self, self._opt.model, drafter, max_draft,
+                                                               graphs=lambda: len(self._opt.report.sections))
         make = self._manager._create_batch_processor
 
         def create():
@@ -766,7 +767,7 @@ class Manager:
 
         self._manager._create_batch_processor = create
         _note(self._opt, f"serving: speculative decoding of greedy requests, {drafter.name}, at most {max_draft} "
-                         "draft tokens a step")
+                         "draft tokens a step (each step's length from measured acceptance and step times)")
 
     def kv_blocks(self) -> tuple[float, float, float]:
         """The KV pool's blocks (of every layer group) held by requests, kept after their request

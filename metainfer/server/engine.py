@@ -371,6 +371,8 @@ class Engine:
             m.spec_drafted.set_function(lambda: spec.stats.drafted)
             m.spec_accepted.set_function(lambda: spec.stats.accepted)
             m.spec_acceptance.set_function(lambda: spec.stats.acceptance)
+            for k in range(spec.max_draft + 1):
+                m.spec_lengths.labels(str(k)).set_function(lambda k=k: spec.stats.lengths.get(k, 0))
         stats = lambda: getattr(getattr(self.manager, "exchange", None), "stats", None)  # noqa: E731 - None: one rank
         m.exchange_seconds.set_function(lambda: stats().status_s + stats().payload_s if stats() else 0.0)
         m.exchange_steps.set_function(lambda: stats().status_calls if stats() else 0)

@@ -39,6 +39,9 @@ class Metrics:
         self.spec_drafted = Gauge("metainfer_spec_drafted_tokens", "Draft tokens verified by speculative decoding",
                                   registry=r)
         self.spec_accepted = Gauge("metainfer_spec_accepted_tokens", "Draft tokens the model accepted", registry=r)
+        self.spec_lengths = Gauge("metainfer_spec_draft_length_steps", "Engine steps by the draft length speculation "
+                                  "chose for them (0: none paid, from measured acceptance and step times)", ["length"],
+                                  registry=r)
         self.spec_acceptance = Gauge("metainfer_spec_acceptance", "Accepted / drafted tokens (0 before any draft)",
                                      registry=r)
         self.exchange_steps = Gauge("metainfer_rank_exchange_steps", "Per-step exchanges rank 0's engine has made "

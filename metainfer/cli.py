@@ -295,6 +295,10 @@ def cmd_serve(a) -> int:
     if world > 1:
         from metainfer.server import ranks
 
+        if a.speculative:
+            raise UsageError("--speculative over several ranks is not built: each rank would draft on its own, and "
+                             "the ranks' steps must be the same")
+
         if a.model not in servebench.MODELS and not Path(a.model).exists():  # before any rank starts
             raise UsageError(f"--model {a.model}: neither a benchmark model ({', '.join(servebench.MODELS)}) nor a "
                              "Hugging Face config.json or model folder")

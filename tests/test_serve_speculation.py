@@ -27,7 +27,8 @@ def opt():
     return metainfer.optimize(model, "cpu", lowering="aot_eager")
 
 
-def _run(opt, prompts, speculation=None, max_new_tokens=40, page_size=256, stop=None, rounds=1, **kwargs):
+def _run(opt, prompts, speculation=None, max_new_tokens=40, page_size=256, stop=None, rounds=1, watch=False,
+         **kwargs):
     """Each prompt's tokens from the server's engine (greedy unless kwargs say), its speculation
     stats and the KV blocks still used at the end. `rounds`: the prompts go in that many
     times, one round after the other, into one engine (the later ones reuse the earlier ones'
@@ -36,10 +37,12 @@ def _run(opt, prompts, speculation=None, max_new_tokens=40, page_size=256, stop=
 
     cfg = ContinuousBatchingConfig(num_blocks=max(96, 2 * 4096 // page_size), max_batch_tokens=512,
                                    page_size=page_size)
-    manager = engine_manager(opt, cfg, max_running=8, speculation=speculation)
+    manager = engine_manager(opt, cfg, max_running=8, speculation=speculation, get_results=True)
     manager.start()
     try:
         for r in range(rounds):
+            if watch:  # the server watches a request's log-probabilities (rank 0)
+                manager.sampler.watch_logprobs([f"r{r}-{i}" for i in range(len(prompts))], 1)
             ids = [manager.add_request(p, request_id=f"r{r}-{i}", max_new_tokens=max_new_tokens,
                                        eos_token_id=stop if stop is not None else [2], **{"temperature": 0.0, **kwargs})
                    for i, p in enumerate(prompts)]
@@ -109,7 +112,7 @@ def test_pages_completed_in_speculative_steps_are_shared_only_as_verified(opt):
         from transformers import ContinuousBatchingConfig
 
         cfg = ContinuousBatchingConfig(num_blocks=1024, max_batch_tokens=512, page_size=8)
-        manager = engine_manager(opt, cfg, max_running=8, speculation=speculation)
+        manager = engine_manager(opt, cfg, max_running=8, speculation=speculation, get_results=True)
         manager.start()
         try:
             def round_(name, prompts, new):
@@ -136,6 +139,17 @@ def test_sampled_and_penalised_requests_do_not_speculate(opt):
     assert stats.drafted == 0
     _, stats, _ = _run(opt, PROMPTS, spec, repetition_penalty=1.2)
     assert stats.drafted == 0
+    _, stats, _ = _run(opt, PROMPTS, spec, watch=True)  # log-probabilities are recorded a token a step
+    assert stats.drafted == 0
+    _, stats, _ = _run(opt, PROMPTS, spec)  # the same requests otherwise: they draft
+    assert stats.drafted > 0
+
+
+def test_speculation_is_refused_where_ranks_would_draft_apart(monkeypatch):
+    from metainfer import cli
+
+    monkeypatch.setattr(cli, "_serve_world", lambda a: 2)
+    assert cli.main(["serve", "--model", "hf-llama-tiny", "--speculative", "prompt-lookup"]) == 2
 
 
 def test_sliding_window_models_are_refused():

@@ -318,7 +318,9 @@ def test_n_choices_share_one_prompt(server, client, expected):
     per = {i: [t for c in chunks if c.choices[0].index == i for t in c.choices[0].model_extra["token_ids"]]
            for i in (0, 1)}
     assert all(1 <= len(v) <= 5 for v in per.values())
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] != []
+    finished = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]  # each choice finishes once
+    assert chunks[-1].usage.completion_tokens == len(per[0]) + len(per[1])
     r = server.post("/v1/completions", {"model": name, "prompt": [5], "n": MAX_RUNNING + 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     _idle(server)

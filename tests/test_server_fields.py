@@ -241,6 +241,15 @@ def test_admission_counts_a_requests_choices_and_serves_waiters_in_order():
         assert adm.running == 0
         with pytest.raises(ValueError):
             await adm.acquire(5)
+        # a waiter the engine failed (its future holds the error), then cancelled: no slot to give back
+        await adm.acquire(4)
+        waiter = asyncio.create_task(adm.acquire(1))
+        await asyncio.sleep(0)
+        adm.waiting[0][0].set_exception(RuntimeError("failed"))
+        waiter.cancel()
+        with pytest.raises((asyncio.CancelledError, RuntimeError)):
+            await waiter
+        assert adm.running == 4
 
     asyncio.run(scenario())
 
@@ -308,3 +317,48 @@ def test_the_fields_parse_to_what_the_engine_takes():
     # chat: logprobs a boolean, top_logprobs the number of alternatives
     assert _parse("chat", logprobs=True).logprobs == 0 and _parse("chat", logprobs=True, top_logprobs=5).logprobs == 5
     assert _parse("chat", logprobs=False).logprobs is None and _parse().logprobs is None
+
+
+# ---- n choices in the engine
+
+def test_n_choices_after_the_prompt_is_cached_but_its_last_token():
+    """The engine forks n choices after prefilling all but the last prompt token; with the rest
+    in cached prefix pages (a prompt of k pages + 1 token, sent before) its fork step would be
+    empty and fail the engine: metainfer sends n requests there instead."""
+    from transformers import ContinuousBatchingConfig
+
+    import metainfer
+    from metainfer import servebench
+    from metainfer.server.engine import engine_manager
+
+    opt = metainfer.optimize(servebench.build_model("hf-llama-tiny"), "cpu", lowering="aot_eager")
+    manager = engine_manager(opt, ContinuousBatchingConfig(num_blocks=64, page_size=8), max_running=4,
+                             get_results=True)
+    prompt = list(range(5, 22))  # 2 pages + 1 token
+    manager.start()
+    try:
+        first = servebench.collect(manager, [manager.add_request(prompt, request_id="a", max_new_tokens=4,
+                                                                 temperature=0.0)])
+        manager.add_request(prompt, request_id="b", max_new_tokens=4, temperature=0.0, n=2)
+        both = servebench.collect(manager, manager.request_ids("b", 2))
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert all(o.error is None for o in both.values())
+    assert [list(o.generated_tokens) for o in both.values()] == [list(first["a"].generated_tokens)] * 2
+
+
+def test_the_servers_engine_drops_outputs_no_handler_claims():
+    """An output delivered after its request was cancelled (a stop string, a disconnect) has no
+    handler; the engine would keep it on a queue only get_result reads, forever. The server's
+    managers (rank 0 and the ranks that follow it) drop them."""
+    import metainfer
+    from metainfer import servebench
+    from metainfer.server.engine import engine_manager
+
+    opt = metainfer.optimize(servebench.build_model("hf-llama-tiny"), "cpu", lowering="aot_eager")
+    router = engine_manager(opt, None, max_running=2).output_router
+    router.deliver(type("Output", (), {"request_id": "gone"})())
+    assert router.output_queue.empty() and router.output_queue.qsize() == 0
+    kept = engine_manager(opt, None, max_running=2, get_results=True).output_router
+    kept.deliver(type("Output", (), {"request_id": "gone"})())
+    assert kept.output_queue.qsize() == 1

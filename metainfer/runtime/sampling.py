@@ -163,7 +163,8 @@ class Sampler(ContinuousBatchingLogitsProcessorList):
         self.generator = None  # torch's default generator (a request's "seed" seeds it)
         # host-side extras of each prepared step (penalised rows, rows whose log-probabilities are
         # watched), taken by the step's call in order; the engine prepares a step ahead only in
-        # its async mode (2 in flight), and a step whose forward failed leaves a stale entry
+        # its async mode (2 in flight); an entry older than that is dropped (a step prepared whose
+        # forward never ran: transformers 5.25 ends its loop then, a later version may not)
         self.steps_in_flight = 1
         self._steps: collections.deque = collections.deque()
         self._lock = threading.Lock()  # the watches are read on the engine's thread, taken on another

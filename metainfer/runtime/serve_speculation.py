@@ -264,15 +264,14 @@ class EngineSpeculation:
     def _draft(self, candidates, token_budget: int, processor) -> list:
         from transformers.generation.continuous_batching.requests import RequestStatus
 
+        self._drafting = 0.0
+        if candidates:  # a draft model's caches of requests that are gone (all of them once it failed)
+            self.drafter.forget(set(processor.scheduler.active_requests) if not self.failed else set())
         if self.failed:
             return []
-        self._drafting = 0.0
         sampler = getattr(self.manager, "sampler", None)
         decoding = [s for s in candidates if s.status == RequestStatus.DECODING]
         drafted = []
-        if candidates:
-            active = set(processor.scheduler.active_requests)
-            self.drafter.forget(active)
         rooms = [(state, room) for state in decoding if (room := self._eligible_room(state, sampler)) > 0]
         if not rooms:
             return drafted
@@ -296,7 +295,9 @@ class EngineSpeculation:
                               self.drafter.name)
                 self.failed = True
                 return drafted
-            if not drafts or not processor.cache.can_store_request_tokens(state, 1 + len(drafts)):
+            # dry run: the scheduler allocates a scheduled request's pages itself (a real check would
+            # take pages another request's next token may need)
+            if not drafts or not processor.cache.can_store_request_tokens(state, 1 + len(drafts), dry_run=True):
                 continue
             state.tokens_to_process = state.tokens_to_process[:1] + drafts
             self._pending[state.request_id] = drafts

@@ -616,6 +616,9 @@ class Manager:
         self._deliver_cancellations()
         self.speculation = None
         if speculation is not None:
+            if cfg.use_async_batching:
+                raise ValueError("speculative decoding needs the engine's synchronous batching (use_async_batching "
+                                 "prepares a step before the last one's drafts are verified)")
             self._speculate(*speculation)
 
     def start(self) -> None:
@@ -664,9 +667,10 @@ class Manager:
         manager = self._manager
         if n > 1 and request_id is None:
             raise ValueError("a request of several sequences needs its request_id (its sequences' ids derive from it)")
-        if n > 1 and len(input_ids) < 2:
-            # the engine forks a request after prefilling all but its last prompt token, and with
-            # none before it schedules an empty step that fails (transformers 5.25): n requests instead
+        if n > 1 and (len(input_ids) - 1) % self.capacity.page_size == 0:
+            # the engine forks a request after prefilling all but its last prompt token; where none
+            # is left to prefill before it (a one-token prompt, or all the others in cached prefix
+            # pages) it schedules an empty step, which fails (transformers 5.25): n requests instead
             for one in self.request_ids(request_id, n):
                 manager.add_request(input_ids, request_id=one, max_new_tokens=max_new_tokens, **kwargs)
             self._admitted += (n - 1) * len(input_ids)
@@ -674,6 +678,7 @@ class Manager:
         # the engine reads num_return_sequences here only, into the request's number of children;
         # requests are added from one thread (the server's loop), so setting it around the call is safe
         manager.num_return_sequences = n
+        self._admitted += n - 1  # each child computes the held-back last prompt token itself
         try:
             return manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
         finally:
@@ -749,11 +754,22 @@ class Manager:
 
         manager._create_batch_processor = create
 
+    def drop_unclaimed_outputs(self) -> None:
+        """For a manager whose every result goes to a registered handler (the server's, on every
+        rank): the engine puts an output no handler claims (one delivered after its request was
+        cancelled and its handler removed; every output on a rank that only follows) on a queue
+        that only get_result reads. Nothing reads it here, so those outputs are dropped."""
+        self._manager.output_router.output_queue = _Nowhere()
+
     def _speculate(self, drafter, max_draft: int) -> None:
         """Greedy requests decode speculatively (metainfer.runtime.serve_speculation): each batch
         processor the engine makes gets the hooks."""
+        from metainfer.parallel import distributed
         from metainfer.runtime import serve_speculation
 
+        if distributed.tp_mesh(self._opt.model) is not None:
+            raise ValueError("speculative decoding in a tensor-parallel job is not built: every rank would draft "
+                             "and choose its draft length on its own, and their steps must be the same")
         self.speculation = serve_speculation.EngineSpeculation(self, self._opt.model, drafter, max_draft,
                                                                graphs=lambda: len(self._opt.report.sections))
         make = self._manager._create_batch_processor
@@ -791,6 +807,26 @@ class Manager:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class _Nowhere:
+    """The engine's output queue where no one calls get_result: outputs put on it are dropped."""
+
+    def put(self, item, block=True, timeout=None) -> None:
+        pass
+
+    put_nowait = put
+
+    def empty(self) -> bool:
+        return True
+
+    def qsize(self) -> int:
+        return 0
+
+    def get(self, block=True, timeout=None):
+        import queue
+
+        raise queue.Empty
 
 
 def _exchange_note(exchange) -> str:

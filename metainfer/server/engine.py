@@ -94,8 +94,8 @@ class Admission:
         try:
             await entry[0]  # _hand_out counted its slots in `running`
         except asyncio.CancelledError:
-            if entry[0].done() and not entry[0].cancelled():
-                self.release(slots)  # handed slots while going away: pass them on
+            if entry[0].done() and not entry[0].cancelled() and entry[0].exception() is None:
+                self.release(slots)  # handed slots while going away: pass them on (not when failed)
             elif entry in self.waiting:
                 self.waiting.remove(entry)
                 self._hand_out()  # the ones behind it may fit now
@@ -118,13 +118,15 @@ class Admission:
             future.set_result(None)
 
 
-def engine_manager(opt, cb_config=None, max_running: int | None = None, speculation=None):
+def engine_manager(opt, cb_config=None, max_running: int | None = None, speculation=None, get_results: bool = False):
     """The continuous-batching manager the server drives, made alike on every rank of a job (the
     others follow rank 0's): a sampling config with no processors of its own, so the engine
     samples with metainfer's Sampler, each request passing its own temperature (0: greedy),
     top-k, top-p and seed. Its KV pool holds what admission allows, `max_running` requests of the
     model's whole context (or less where memory bounds it; the capacity note says which).
-    `speculation`: (drafter, max draft tokens): greedy requests decode speculatively."""
+    `speculation`: (drafter, max draft tokens): greedy requests decode speculatively. The server
+    takes every result through handlers; `get_results`: keep the engine's queue for get_result
+    (otherwise outputs no handler claims are dropped, not kept forever)."""
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -141,6 +143,8 @@ def engine_manager(opt, cb_config=None, max_running: int | None = None, speculat
                                            workload_hints=hints, speculation=speculation)
     if not isinstance(manager.logit_processor, Sampler):
         raise RuntimeError(f"the engine did not take metainfer's sampler (it has {manager.logit_processor!r})")
+    if not get_results:
+        manager.drop_unclaimed_outputs()
     return manager
 
 
@@ -387,4 +391,6 @@ class Engine:
         admitted = self.manager._admitted
         if steps is None or not admitted:
             return 0.0
-        return max(0.0, admitted + self._fed_back - steps.tokens) / admitted
+        spec = getattr(self.manager, "speculation", None)
+        computed = steps.tokens - (spec.stats.drafted if spec is not None else 0)  # drafted rows are not prompt work
+        return max(0.0, admitted + self._fed_back - computed) / admitted

@@ -33,6 +33,24 @@ def resolve_target(target: "str | os.PathLike | _targets.Target") -> _targets.Ta
     return _targets.get(target)
 
 
+def _machine_changed(t: _targets.Target) -> str | None:
+    """A target calibrated on another machine ([machine] differs from this one): a warning naming
+    what changed, also returned for the report's notes."""
+    if t.machine is None:
+        return None
+    import warnings
+
+    from metainfer.hardware import machine
+
+    changed = machine.differences(t.machine, machine.current(gpu=t.device.kind == "cuda"))
+    if not changed:
+        return None
+    message = (f"target {t.name!r} was calibrated on another machine ({'; '.join(changed)}): its figures describe "
+               "that machine, not this one; run `metainfer calibrate` here for this machine's")
+    warnings.warn(message, machine.MachineChanged, stacklevel=3)
+    return message
+
+
 def plan(model, target="pcie8", **options):
     """metainfer.plan: metainfer.hardware.planner.plan with `target` a name, a TOML path or a
     Target."""
@@ -551,11 +569,12 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
     t, arch_note = target_for_device(t, _gpu_capability(model))
+    machine_note = _machine_changed(t)
     if t.device.kind == "cuda":
         from metainfer.lowering import compile_cache
 
         compile_cache.point_triton_at(compile_cache.cache_dir(cache_dir))
-    dist_notes = dist_notes + ([arch_note] if arch_note else [])
+    dist_notes = dist_notes + [n for n in (arch_note, machine_note) if n]
     if example_inputs is not None:
         check_devices(t, args, kwargs, what="example_inputs")
     dump = os.fspath(dump_dir) if dump_dir is not None else os.environ.get("METAINFER_DUMP") or None

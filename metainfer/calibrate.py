@@ -63,6 +63,7 @@ class Measurements:
     custom_op_slowdown: dict[str, float] = field(default_factory=dict)  # op -> measured work / roofline
     collectives: dict[str, dict] = field(default_factory=dict)  # "all_reduce 2" -> {alpha_us, beta_gbs, points}
     comm_overlap: dict[str, float] = field(default_factory=dict)  # ranks -> share of a collective hidden
+    fingerprint: dict = field(default_factory=dict)  # metainfer.hardware.machine.Machine's fields: where measured
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -476,8 +477,11 @@ def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False
     fields price the custom ops while the calibration runs)."""
     import torch
 
+    from metainfer.hardware import machine, targets
+
     m = Measurements(machine=f"{platform.node()} ({platform.processor() or platform.machine()})",
-                     when=datetime.date.today().isoformat(), torch_threads=torch.get_num_threads())
+                     when=datetime.date.today().isoformat(), torch_threads=torch.get_num_threads(),
+                     fingerprint=asdict(machine.current(gpu=targets.required(base, "calibrate").device.kind == "cuda")))
     progress("matmuls ...")
     m.matmul_gflops = measure_matmuls(quick)
     progress("memory bandwidth ...")
@@ -597,6 +601,12 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
                       "# fitted to t = latency + bytes / bandwidth (bytes: the buffer; all-gather: its output)"]
             lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
                       for kind, v in shm]
+    if m.fingerprint:  # optimize() warns where the target is used on a machine that differs
+        from metainfer.hardware.machine import Machine
+
+        fp = m.fingerprint
+        lines += ["", "# the machine these figures were measured on",
+                  *Machine(**{**fp, "flags": tuple(fp["flags"])}).to_toml()]
     lines.append("")
     return "\n".join(lines)
 

@@ -203,3 +203,47 @@ def test_a_line_fit_recovers_latency_and_bandwidth():
     points = {m: 7e-6 + m / 4e9 for m in (4096, 65536, 1 << 20, 16 << 20)}
     a, b = calibrate.fit_line(points)
     assert a == pytest.approx(7e-6) and b == pytest.approx(4e9)
+
+
+def test_a_calibrated_target_knows_its_machine_and_warns_on_another(tmp_path):
+    """Issue 51: the TOML records the machine its figures were measured on; optimize() with it on
+    a machine that differs (simulated by editing the recorded flags, CPU and cores) warns and
+    names what changed; on the same machine it says nothing."""
+    import dataclasses
+    import warnings
+
+    import torch
+
+    import metainfer
+    from metainfer.hardware import machine
+
+    here = machine.current()
+    m = _measured()
+    m.fingerprint = dataclasses.asdict(here)
+    path = tmp_path / "cpu-calibrated.toml"
+    path.write_text(calibrate.to_toml(m, targets.get("cpu")))
+    t = targets.load(path)
+    assert t.machine == here
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", machine.MachineChanged)
+        metainfer.optimize(model, t, lowering="aot_eager")  # the same machine: no warning
+    has_bf16 = "avx512_bf16" in here.flags  # recorded the other way round: this machine lost or gained it
+    flags = tuple(f for f in here.flags if f != "avx512_bf16") if has_bf16 else here.flags + ("avx512_bf16",)
+    other = dataclasses.replace(here, cpu="Some Other CPU", flags=flags, cores=here.cores + 6)
+    text = path.read_text().split("[machine]")[0] + "\n".join(other.to_toml()) + "\n"
+    (tmp_path / "moved.toml").write_text(text)
+    with pytest.warns(machine.MachineChanged) as seen:
+        opt = metainfer.optimize(model, targets.load(tmp_path / "moved.toml"), lowering="aot_eager")
+    message = str(seen[0].message)
+    assert "'Some Other CPU'" in message and f"{here.cores + 6} -> {here.cores} cores" in message
+    assert ("with avx512_bf16" if has_bf16 else "without avx512_bf16") in message
+    assert any("calibrated on another machine" in n for n in opt.report.notes)
+
+
+def test_a_bad_machine_table_is_named():
+    text = calibrate.to_toml(_measured(), targets.get("cpu")) + '\n[machine]\ncpu = 3\ncores = 0\nflags = "avx2"\nram = 1\n'
+    with pytest.raises(targets.TargetError) as e:
+        targets.from_dict(__import__("tomllib").loads(text), "bad")
+    problems = " ".join(e.value.problems)
+    assert all(k in problems for k in ("machine.cpu", "machine.cores", "machine.flags", "machine.ram"))

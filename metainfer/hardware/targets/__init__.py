@@ -112,6 +112,8 @@ class Target:
     # (metainfer's shm path, kernels/shm_collectives.py): per kind, t = latency + bytes / bandwidth
     # as `metainfer calibrate` fits it; absent: the path is not offered
     shm_links: Mapping[str, "LinkSpec"] = field(default_factory=dict)
+    # [machine]: the machine a calibrated target's figures were measured on (metainfer.hardware.machine)
+    machine: "Any" = None
 
     def collective_settings(self) -> dict[str, tuple[str, str]]:
         """Environment settings for the collective library, computed from the topology, with
@@ -284,6 +286,7 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
     if not isinstance(kernels, Mapping):
         errors.append(f"field 'kernels' must be a table of per-kernel tables, got {kernels!r}")
         kernels = {}
+    machine = _machine(data.get("machine"), errors)
     pass_options = data.get("passes", {})
     if not isinstance(pass_options, Mapping):
         errors.append(f"field 'passes' must be a table of pass options, got {pass_options!r}")
@@ -295,7 +298,29 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
                   device=device, topology=topology, collective_backend=backend, kernels=dict(kernels),
                   pass_options=dict(pass_options), source=source,
                   collective_overrides={k: str(v) for k, v in overrides.items()}, comm_overlap=overlap,
-                  collective_links=collective_links, shm_links=shm_links)
+                  collective_links=collective_links, shm_links=shm_links, machine=machine)
+
+
+def _machine(table, errors: list[str]):
+    """[machine] (cpu, flags, cores; gpu, sm, driver where a GPU's), or None where absent."""
+    from metainfer.hardware.machine import Machine
+
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        errors.append(f"field 'machine' must be a table, got {table!r}")
+        return None
+    unknown = sorted(set(table) - {"cpu", "flags", "cores", "gpu", "sm", "driver"})
+    strings = {k: table.get(k, "") for k in ("cpu", "gpu", "sm", "driver")}
+    flags, cores = table.get("flags", []), table.get("cores")
+    problems = [f"field 'machine.{k}' is not one of cpu, flags, cores, gpu, sm, driver" for k in unknown]
+    problems += [f"field 'machine.{k}' must be a string" for k, v in strings.items() if not isinstance(v, str)]
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        problems.append(f"field 'machine.flags' must be a list of strings, got {flags!r}")
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        problems.append(f"field 'machine.cores' must be a positive integer, got {cores!r}")
+    errors.extend(problems)
+    return None if problems else Machine(flags=tuple(flags), cores=cores, **strings)
 
 
 def _links_by_kind(coll: "_Reader", table: str, kinds: tuple[str, ...], errors: list[str]) -> dict[str, "LinkSpec"]:

@@ -1,0 +1,87 @@
+"""What machine a measurement was made on: the facts that change how kernels run (the CPU model,
+the ISA extensions torch's CPU kernels branch on, the cores; on a GPU its name, SM and driver).
+A calibrated target records them (`[machine]`), and optimize() warns when it is used on a
+machine that differs, naming what changed (its figures describe another machine)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# ISA extensions that change which CPU kernels run (oneDNN / torch's CPU GEMMs): bf16 and AMX
+# units make bf16 GEMMs native instead of ~45x slower than fp32 (measured on an EPYC without them)
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+class MachineChanged(UserWarning):
+    """A calibrated target is used on a machine other than the one it was measured on."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str  # the CPU's model name
+    flags: tuple[str, ...]  # those of KERNEL_FLAGS it has
+    cores: int  # cores this process may run on
+    gpu: str = ""  # the GPU's name, SM ("sm_90") and driver, where the target is a GPU's
+    sm: str = ""
+    driver: str = ""
+
+    def to_toml(self) -> list[str]:
+        """The `[machine]` table of a calibrated target's TOML."""
+        import json
+
+        lines = ["[machine]", f"cpu = {json.dumps(self.cpu)}", f"flags = {json.dumps(list(self.flags))}",
+                 f"cores = {self.cores}"]
+        return lines + [f"{key} = {json.dumps(getattr(self, key))}" for key in ("gpu", "sm", "driver") if getattr(self, key)]
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the platform's word for it
+        import platform
+
+        model = platform.processor() or platform.machine()
+    return model, flags
+
+
+def current(gpu: bool = False) -> Machine:
+    """This machine; `gpu`: with the first GPU's name, SM and driver (where torch sees one)."""
+    model, flags = _cpuinfo()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    name = sm = driver = ""
+    if gpu:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            name, sm = p.name, f"sm_{p.major}{p.minor}"
+            driver = str(getattr(torch._C, "_cuda_getDriverVersion", lambda: "")() or torch.version.cuda or "")
+    return Machine(cpu=model, flags=tuple(f for f in KERNEL_FLAGS if f in flags), cores=cores, gpu=name, sm=sm,
+                   driver=driver)
+
+
+def differences(recorded: Machine, now: Machine) -> list[str]:
+    """What differs between the machine a target was calibrated on and this one, in words."""
+    out = []
+    if recorded.cpu != now.cpu:
+        out.append(f"CPU {recorded.cpu!r} -> {now.cpu!r}")
+    lost, gained = set(recorded.flags) - set(now.flags), set(now.flags) - set(recorded.flags)
+    if lost or gained:
+        out.append("ISA flags" + (f" without {', '.join(sorted(lost))}" if lost else "") +
+                   (f" with {', '.join(sorted(gained))}" if gained else ""))
+    if recorded.cores != now.cores:
+        out.append(f"{recorded.cores} -> {now.cores} cores")
+    for key in ("gpu", "sm", "driver"):
+        a, b = getattr(recorded, key), getattr(now, key)
+        if a and a != b:
+            out.append(f"{key} {a!r} -> {b!r}")
+    return out

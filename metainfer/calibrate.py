@@ -497,8 +497,6 @@ def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False
     progress("custom ops against their roofline ...")
     import tomllib
 
-    from metainfer.hardware import targets
-
     provisional = targets.from_dict(tomllib.loads(to_toml(m, base)), "calibration in progress")
     m.custom_op_slowdown = measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us)
     if ranks:

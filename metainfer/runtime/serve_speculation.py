@@ -381,7 +381,7 @@ class EngineSpeculation:
             self.stats.accepted += m
             self.stats.steps += 1
         if sliced:  # one row per sampled request again, as the engine asked
-            span_of = {first: k for _, first, _, d in spans for k in [len(d)]}
+            span_of = {first: len(d) for _, first, _, d in spans}
             select, r = [], 0
             while r < len(rows):
                 select.append(chosen.get(r, r))

@@ -23,7 +23,9 @@ and 16 MiB (the buffer each rank holds; for all-gather the gathered output), flo
 as a compiled graph issues it (a functional collective and its wait: a fresh output, as the
 shm op makes) and, for reference, in place on buffers kept across calls. Each time is the
 slowest rank's median per call; the paths alternate in rounds, so a slow spell of the machine
-hits all. With --json the last line is one JSON object: {"results": {"all_reduce 64KiB":
+hits all. Each row runs between rank 0's readings of a yardstick (metainfer.hardware.noise) and
+again while the machine swings outside its band; one that never held still is marked unstable,
+and the swing is printed under the table. With --json the last line is one JSON object: {"results": {"all_reduce 64KiB":
 {"gloo": s, "shm": s, "ratio": gloo / shm, "gloo_in_place": s, "ratio_in_place": ...}, ...}}.
 """
 
@@ -35,7 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from metainfer.hardware import cost, targets  # noqa: E402
+from metainfer.hardware import cost, noise, targets  # noqa: E402
 
 SHAPES = {"llama3-70b": 8192, "deepseek-v3": 7168}
 PHASES = {"prefill": 4 * 4096, "decode": 64}
@@ -139,9 +141,12 @@ def paths_rank(rank, world, rounds):
     from metainfer.kernels import shm_collectives
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # each rank its share of the cores
+    from metainfer.hardware import noise
+
     g = dist.group.WORLD.group_name
     shm_collectives.attach(g)
     ops = torch.ops.metainfer
+    guard = noise.Yardstick()  # read on rank 0 only, while the others wait at a barrier
     out = {}
     for kind in KINDS:
         for label, nbytes in SIZES.items():
@@ -159,13 +164,48 @@ def paths_rank(rank, world, rounds):
                    "reduce_scatter": (lambda: fc.wait_tensor(fc.reduce_scatter_tensor(full, "sum", world, g)),
                                       lambda: dist.reduce_scatter_tensor(part, full),
                                       lambda: ops.shm_reduce_scatter(full, world, g))}[kind]
-            times = {"gloo": [], "gloo in place": [], "shm": []}
-            for _ in range(rounds):
-                for path, fn in zip(times, fns):
-                    dist.barrier()
-                    times[path].append(_median_call_s(fn))
-            out[f"{kind} {label}"] = {p: statistics.median(t) for p, t in times.items()}
-    return out
+            def row():
+                times = {"gloo": [], "gloo in place": [], "shm": []}
+                for _ in range(rounds):
+                    for path, fn in zip(times, fns):  # noqa: B023
+                        dist.barrier()
+                        times[path].append(_median_call_s(fn))
+                return {p: statistics.median(t) for p, t in times.items()}
+
+            out[f"{kind} {label}"] = _guarded_row(guard, row, f"{kind} {label}", rank)
+    return {"rows": out, "noise": guard.summary() if rank == 0 else None}
+
+
+def _guarded_row(guard, row, label: str, rank: int) -> dict:
+    """row() on every rank between rank 0's yardstick readings, run again (on every rank) while
+    a reading is outside the band, at most guard.tries times; rank 0's verdict is everyone's."""
+    import torch
+    import torch.distributed as dist
+
+    kept, tries = None, 0
+    guard.rows += rank == 0
+    while True:
+        tries += 1
+        dist.barrier()
+        before = guard.read() if rank == 0 else 0.0
+        dist.barrier()
+        value = row()
+        dist.barrier()
+        after = guard.read() if rank == 0 else 0.0
+        worst = max(guard.off_by(before), guard.off_by(after)) if rank == 0 else 0.0
+        if kept is None or worst < kept[0]:
+            kept = (worst, value)
+        verdict = torch.tensor([kept[0] <= guard.band or tries >= guard.tries], dtype=torch.int64)
+        dist.broadcast(verdict, 0)
+        if int(verdict):
+            break
+    stable = torch.tensor([kept[0] <= guard.band], dtype=torch.int64)
+    dist.broadcast(stable, 0)
+    if rank == 0:
+        guard.remeasured += tries > 1
+        if not int(stable):
+            guard.unstable.append(label)
+    return {**kept[1], "stable": bool(int(stable))}
 
 
 def paths(ranks: int, rounds: int) -> dict:
@@ -173,10 +213,10 @@ def paths(ranks: int, rounds: int) -> dict:
 
     res = multirank.run(paths_rank, ranks, args=(rounds,), timeout_s=900)
     results = {}
-    for key in res[0]:
-        gloo, in_place, shm = (max(r[key][p] for r in res) for p in ("gloo", "gloo in place", "shm"))  # the slowest rank's
+    for key in res[0]["rows"]:
+        gloo, in_place, shm = (max(r["rows"][key][p] for r in res) for p in ("gloo", "gloo in place", "shm"))  # the slowest rank's
         results[key] = {"gloo": gloo, "shm": shm, "ratio": gloo / shm, "gloo_in_place": in_place,
-                        "ratio_in_place": in_place / shm}
+                        "ratio_in_place": in_place / shm, "stable": res[0]["rows"][key]["stable"]}
     print(f"\nmeasured: {ranks} processes of this machine, float32, the slowest rank's median per call "
           f"({rounds} alternating rounds); gloo over TCP loopback as a compiled graph issues it (functional "
           "collective + wait, a fresh output) and in place on kept buffers; shm: metainfer's op (a fresh output)")
@@ -185,7 +225,11 @@ def paths(ranks: int, rounds: int) -> dict:
     for key, r in results.items():
         kind, size = key.split()
         print(f"| {kind} | {size} | {r['gloo'] * 1e6:,.1f} us | {r['gloo_in_place'] * 1e6:,.1f} us | "
-              f"{r['shm'] * 1e6:,.1f} us | {r['ratio']:.1f}x | {r['ratio_in_place']:.1f}x |")
+              f"{r['shm'] * 1e6:,.1f} us | {r['ratio']:.1f}x | {r['ratio_in_place']:.1f}x"
+              f"{'' if r['stable'] else ' (unstable)'} |")
+    n = res[0]["noise"]
+    print(f"rank 0's {noise.swing_words(n)}")
+    results["noise"] = n
     return results
 
 

@@ -26,7 +26,9 @@ Workloads (HF Llama, hidden 512 x 4 layers, 8 heads / 2 kv heads, vocab 32000, f
   again on that warm cache.
 The main and shared-prefix runs give every engine the same explicit pool and batch size.
 Rows of a workload are served `--rounds` times (default 3), interleaved; the first round includes
-compiles (the "first run" column), the table gives the median of the others.
+compiles (the "first run" column), the table gives the median of the others. Each of those runs
+between readings of a yardstick (metainfer.hardware.noise): a round the machine swung through is
+served again, and left out where it never held still; the last line states the swing.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import time
 import torch
 
 from metainfer import servebench
+from metainfer.hardware import noise
 
 SAME = dict(num_blocks=96, page_size=256, max_batch_tokens=2048)
 WORKLOADS = ("main", "shared-prefix", "engine-defaults", "compiles", "long-tail", "decode-heavy")
@@ -66,14 +69,17 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", choices=servebench.VARIANTS, default=servebench.VARIANTS)
     ap.add_argument("--model", default="hf-llama-512x4")
     ap.add_argument("--json", metavar="FILE", help="write every row here")
+    ap.add_argument("--band", type=float, default=noise.BAND,
+                    help=f"the noise guard's yardstick band around its run median (default {noise.BAND})")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    guard = noise.Yardstick(band=a.band)  # around every measured round: re-run while the machine swings
     model = servebench.build_model(a.model) if set(a.only) & {"main", "shared-prefix", "engine-defaults"} else None
     results = {}
     if "main" in a.only:
         w = servebench.Workload.synthetic(32, prompt=(64, 512), output=32, seed=1)
-        rows = servebench.run(model, w, variants=a.variants, cb_config=SAME, rounds=a.rounds)
+        rows = servebench.run(model, w, variants=a.variants, cb_config=SAME, rounds=a.rounds, guard=guard)
         print(f"\n== main: 32 requests, prompts 64-512 tokens ({sum(r.prompt_tokens for r in w.requests)} in all), "
               f"32 new tokens each; engine config {SAME}")
         print(servebench.table(rows))
@@ -87,7 +93,7 @@ def main(argv=None) -> int:
         for share in (False, True):
             cfg = {**SAME, "allow_block_sharing": share}
             rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants],
-                                  cb_config=cfg, rounds=a.rounds)
+                                  cb_config=cfg, rounds=a.rounds, guard=guard)
             print(f"-- prefix blocks {'shared' if share else 'not shared'} (allow_block_sharing={share})")
             print(servebench.table(rows))
             by_sharing[share] = {r.variant: r for r in rows}
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
     if "engine-defaults" in a.only:
         w = servebench.Workload.synthetic(32, prompt=(64, 512), output=32, seed=1)
         rows = servebench.run(model, w, variants=[v for v in ("cb", "cb+metainfer") if v in a.variants],
-                              rounds=a.rounds, engine_sizing=True)
+                              rounds=a.rounds, engine_sizing=True, guard=guard)
         print("\n== engine-defaults: the main workload, each engine sizing its own pool and batch")
         print(servebench.table(rows))
         results["engine-defaults"] = [r.to_dict() for r in rows]
@@ -113,7 +119,7 @@ def main(argv=None) -> int:
         for dtype in a.dtype:
             m = servebench.build_model(a.model, dtype=DTYPES[dtype])
             rows = servebench.run(m, w, variants=[v for v in TUNED if v in a.variants], rounds=a.rounds,
-                                  reference=reference)
+                                  reference=reference, guard=guard)
             print(f"\n== {name}, {dtype}: {len(w.requests)} requests, {sum(r.prompt_tokens for r in w.requests)} prompt "
                   f"tokens ({min(r.prompt_tokens for r in w.requests)}..{max(r.prompt_tokens for r in w.requests)}), "
                   f"{w.requests[0].output_tokens} new tokens each; each engine sizes its pool for the workload")
@@ -123,6 +129,8 @@ def main(argv=None) -> int:
         results["cold-start"] = cold_start(a.model, a.dtype, a.threads)
     if "long-context" in a.only:
         results["long-context"] = long_context(a.long_tokens)
+    print(guard.line())
+    results["noise"] = guard.summary()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

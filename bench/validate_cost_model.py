@@ -43,7 +43,7 @@ import time
 import torch  # noqa: E402
 
 import metainfer  # noqa: E402
-from metainfer.hardware import targets  # noqa: E402
+from metainfer.hardware import noise, targets  # noqa: E402
 from metainfer.passes.pipeline import DEFAULT_ORDER  # noqa: E402
 from metainfer.testing import tiny_hf_model  # noqa: E402
 
@@ -108,7 +108,11 @@ def _paired_rows(on, off) -> list[dict]:
     return rows
 
 
-def graphs(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list[dict]:
+def graphs(target, cache_dir: str, models=tuple(MODELS), progress=print, guard=None) -> list[dict]:
+    """Rows of predicted vs measured graph time; each run (passes on, passes off) between
+    yardstick readings of `guard`, re-run while the machine swings: a row whose run never held
+    still has "stable": False and is left out of the error summary."""
+    guard = guard or noise.Yardstick()
     rows = []
     for name in models:
         model = _model(name)
@@ -119,15 +123,20 @@ def graphs(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list
                       torch.randint(3, vocab, (2, 64), generator=torch.Generator().manual_seed(1))))
         for case, run, ids in cases:
             t0 = time.perf_counter()
-            reports = []
+            runs = []
             for passes_on in (True, False):
-                torch._dynamo.reset()
-                opt = _optimized(model, target, passes_on, cache_dir)
-                run(opt, ids)
-                reports.append(opt.report)
-            for r in _paired_rows(*reports):
+                def one(passes_on=passes_on, run=run, ids=ids):
+                    torch._dynamo.reset()
+                    opt = _optimized(model, target, passes_on, cache_dir)
+                    run(opt, ids)
+                    return opt.report
+
+                runs.append(guard.measure(one, f"{name} {case}, passes {'on' if passes_on else 'off'}"))
+            for r in _paired_rows(runs[0].value, runs[1].value):
                 graph = f"{case}, {r['phase']}" if case.startswith("generate") else case
-                rows.append({"model": name, "case": f"{graph}, {r['passes']}", **r})
+                kept = runs[0] if r["passes"] == "passes" else runs[1]
+                rows.append({"model": name, "case": f"{graph}, {r['passes']}", **r, "stable": kept.stable,
+                             "yardstick_ms": [[x * 1e3 for x in r] for r in kept.yardstick_s]})
             progress(f"{name} {case}: {time.perf_counter() - t0:.0f} s")
     return rows
 
@@ -140,7 +149,6 @@ DECISIONS += [("deepseek-v3", "generate 2x64 +16", "mla_decode", "decode"),
               ("deepseek-v3", "prefill 1x512", "mla_decode", "forward"),
               ("deepseek-v3", "prefill 1x512", "mla_prefill", "forward"),
               ("deepseek-v3", "prefill 1x512", "fuse_moe", "forward")]
-TIE = 0.05  # measured within 5%: either choice is right
 # the alternative to a pass is the graph without it and without a later pass that would do the
 # same rewrite in its place (fuse_attention fuses MLA's attention where mla_prefill does not)
 ALTERNATIVE = {"mla_prefill": ("mla_prefill", "fuse_attention")}
@@ -151,10 +159,13 @@ def _phase_time(report, phase: str) -> float:
                if s.phase == phase and _warm(s.call_seconds))
 
 
-def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> list[dict]:
+def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print, guard=None) -> list[dict]:
     """For each pass decision: what the cost model predicts (the pass's record in a run with the
     cost gates off: predicted step before vs after it; mla_decode decides by the simulator itself)
-    and what the measurement favours (the run with the pass vs the same run with it disabled)."""
+    and what the measurement favours (the run with the pass vs the same run with it disabled).
+    Every run sits between yardstick readings of `guard`; the measured difference is judged
+    against the noise those runs show (noise.decision_noise): inside it, "either"."""
+    guard = guard or noise.Yardstick()
     rows = []
     for name in models:
         wanted = [d for d in DECISIONS if d[0] == name]
@@ -169,19 +180,22 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
             run, ids = inputs[case]
             t0 = time.perf_counter()
 
-            def measured(disable=(), force=None):
-                torch._dynamo.reset()
-                # every pass named (the pointwise fusions are off by default on CPU), gates off
-                opt = metainfer.optimize(model, target, passes=list(DEFAULT_ORDER), disable=disable,
-                                         pass_options={"cost_gates": False, **({force: True} if force else {})},
-                                         cache_dir=cache_dir)
-                opt._backend.time_calls = True
-                run(opt, ids)
-                return opt.report
+            def measured(disable=(), force=None, label=""):
+                def one():
+                    torch._dynamo.reset()
+                    # every pass named (the pointwise fusions are off by default on CPU), gates off
+                    opt = metainfer.optimize(model, target, passes=list(DEFAULT_ORDER), disable=disable,
+                                             pass_options={"cost_gates": False, **({force: True} if force else {})},
+                                             cache_dir=cache_dir)
+                    opt._backend.time_calls = True
+                    run(opt, ids)  # noqa: B023
+                    return opt.report
 
-            base = measured()
+                return guard.measure(one, f"{name} {case} {label}")  # noqa: B023
+
+            base = measured(label="all passes")
             for _, _, pass_name, phase in [d for d in wanted if d[1] == case]:
-                recs = [r for s in base.sections if s.phase == phase for r in s.records if r.name == pass_name]
+                recs = [r for s in base.value.sections if s.phase == phase for r in s.records if r.name == pass_name]
                 fired = [r for r in recs if r.matches]
                 if pass_name == "mla_decode":  # it decides per site by the simulator: absorbed or kept
                     if not recs or not (fired or any("kept decompressed" in n for r in recs for n in r.near_misses)):
@@ -196,26 +210,32 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print) -> l
                 disable = ALTERNATIVE.get(pass_name, (pass_name,))
                 # with, without, without, with: the mean of each pair cancels a drift of the machine (the
                 # first 'with' is the case's base run, so it sits next to the rest only for its first decision)
-                ons = [_phase_time(base if force is None else measured(force=force), phase)]
-                offs = [_phase_time(measured(disable=disable), phase) for _ in range(2)]
-                ons.append(_phase_time(measured(force=force), phase))
+                with_runs = [base if force is None else measured(force=force, label=f"{pass_name} forced")]
+                without = [measured(disable=disable, label=f"without {pass_name}") for _ in range(2)]
+                with_runs.append(measured(force=force, label=f"with {pass_name}"))
+                ons = [_phase_time(r.value, phase) for r in with_runs]
+                offs = [_phase_time(r.value, phase) for r in without]
                 on, off = statistics.mean(ons), statistics.mean(offs)
-                tie = abs(on - off) / min(on, off) < TIE
-                rows.append({"model": name, "case": case, "pass": pass_name, "phase": phase,
-                             "model_says": "apply" if pays else "decline",
-                             "measured_on_s": on, "measured_off_s": off,
-                             "measurement_favours": "either" if tie else ("apply" if on < off else "decline"),
-                             "agree": tie or (pays == (on < off))})
+                readings = [x for r in with_runs + without for x in r.yardstick_s]
+                band = noise.decision_noise(ons, offs, readings)
+                stable = all(r.stable for r in with_runs + without)
+                favours = noise.verdict(on, off, band) if stable else "unstable"
+                says = "apply" if pays else "decline"
+                rows.append({"model": name, "case": case, "pass": pass_name, "phase": phase, "model_says": says,
+                             "measured_on_s": on, "measured_off_s": off, "noise": band,
+                             "measurement_favours": favours, "agree": favours in ("either", says)})
             progress(f"decisions {name} {case}: {time.perf_counter() - t0:.0f} s")
     return rows
 
 
 def decision_table(rows: list[dict]) -> str:
-    out = ["| model | graph | pass | model says | measured with / without | favours | agree |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| model | graph | pass | model says | measured with / without | noise | favours | agree |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        diff = abs(r["measured_on_s"] - r["measured_off_s"]) / min(r["measured_on_s"], r["measured_off_s"])
         out.append(f"| {r['model']} | {r['case']}, {r['phase']} | {r['pass']} | {r['model_says']} | "
-                   f"{r['measured_on_s'] * 1e3:.3f} / {r['measured_off_s'] * 1e3:.3f} ms | {r['measurement_favours']} | "
+                   f"{r['measured_on_s'] * 1e3:.3f} / {r['measured_off_s'] * 1e3:.3f} ms ({diff:.1%} apart) | "
+                   f"{r['noise']:.1%} | {r['measurement_favours']} | "
                    f"{'yes' if r['agree'] else 'NO'} |")
     return "\n".join(out)
 
@@ -224,8 +244,20 @@ def table(rows: list[dict]) -> str:
     out = ["| model | graph | predicted ms | measured ms | error |", "|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['case']} | {r['predicted_s'] * 1e3:.3f} | {r['measured_s'] * 1e3:.3f} | "
-                   f"{r['error']:+.0%} |")
+                   f"{r['error']:+.0%}{'' if r.get('stable', True) else ' (unstable: left out)'} |")
     return "\n".join(out)
+
+
+def summarise(rows: list[dict], chosen: list[dict], guard) -> dict:
+    """The run's last line: the error over rows measured while the machine held still, the
+    agreement over decisions whose measured difference is outside the noise, and the swing."""
+    kept = [r for r in rows if r.get("stable", True)]
+    judged = [r for r in chosen if r["measurement_favours"] in ("apply", "decline")]
+    return {"graphs": len(rows), "median_abs_error": statistics.median(abs(r["error"]) for r in kept) if kept else None,
+            "rows_dropped": len(rows) - len(kept) + sum(r["measurement_favours"] == "unstable" for r in chosen),
+            "decisions": len(chosen), "decisions_agree": sum(r["agree"] for r in chosen),
+            "decisions_outside_noise": len(judged), "decisions_outside_noise_agree": sum(r["agree"] for r in judged),
+            "swing": {k: v for k, v in guard.summary().items() if k != "unstable"}}
 
 
 def main(argv=None) -> int:
@@ -238,20 +270,23 @@ def main(argv=None) -> int:
                     help="with --target: calibrate's measured overlap per job size (else measured again)")
     ap.add_argument("--ranks", type=int, nargs="*", default=[2, 4],
                     help="gloo job sizes for the multi-rank steps (none: skip them; decisions at the first)")
+    ap.add_argument("--band", type=float, default=noise.BAND,
+                    help=f"the yardstick's band around its run median (default {noise.BAND})")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    import validate_ranks
+
+    guard = noise.Yardstick(band=a.band)
+    validate_ranks.GUARD[:] = [guard]  # one guard over the whole run: one swing figure
     if a.target:
         target, source = targets.get(a.target), a.target
-        import validate_ranks
-
         validate_ranks.OVERLAP.update({int(k): float(v) for k, v in (x.split("=") for x in a.overlap)})
     else:
         from metainfer import calibrate
 
         path = os.path.join(tempfile.mkdtemp(), "cpu-calibrated.toml")
-        m = calibrate.measure(targets.get("cpu"), sorted(set(a.ranks)), progress=lambda s: print(s, file=sys.stderr))
-        import validate_ranks
-
+        m = calibrate.measure(targets.get("cpu"), sorted(set(a.ranks)), progress=lambda s: print(s, file=sys.stderr),
+                              guard=guard)
         validate_ranks.OVERLAP.update({int(k): v for k, v in m.comm_overlap.items()})
         with open(path, "w") as f:
             f.write(calibrate.to_toml(m, targets.get("cpu")))
@@ -259,25 +294,25 @@ def main(argv=None) -> int:
         target, source = targets.load(path), path
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as cache:
-        rows = [] if a.decisions_only else graphs(target, cache, a.models, progress=say)
-        chosen = decisions(target, cache, a.models, progress=say)
+        rows = [] if a.decisions_only else graphs(target, cache, a.models, progress=say, guard=guard)
+        chosen = decisions(target, cache, a.models, progress=say, guard=guard)
         print(table(rows), decision_table(chosen), sep="\n\n", flush=True)  # before the multi-rank part
         if a.ranks:
-            import validate_ranks
-
             rank_rows, default = validate_ranks.steps(source, cache, a.ranks, progress=say)
             rows += rank_rows
-            chosen += validate_ranks.decisions(source, cache, default, a.ranks[:1], TIE, progress=say)
+            chosen += validate_ranks.decisions(source, cache, default, a.ranks[:1], progress=say)
     print(f"\ntarget {target.name}: peak fp32 {target.device.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, "
           f"{target.device.memory_bandwidth / 1e9:.1f} GB/s, {target.device.launch_overhead_s * 1e6:.2f} us per kernel")
+    if target.machine is not None:
+        print(f"machine: {target.machine.cpu}, flags {', '.join(target.machine.flags) or 'none'}, "
+              f"{target.machine.cores} cores")
     print(table(rows))
     print()
     print(decision_table(chosen))
+    print(guard.line())
     if a.json:
-        print(json.dumps({"graphs": rows, "decisions": chosen}, indent=1))
-    summary = {"graphs": len(rows), "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,
-               "decisions": len(chosen), "decisions_agree": sum(r["agree"] for r in chosen)}
-    print(json.dumps(summary))
+        print(json.dumps({"graphs": rows, "decisions": chosen, "unstable": guard.unstable}, indent=1))
+    print(json.dumps(summarise(rows, chosen, guard)))
     return 0
 
 

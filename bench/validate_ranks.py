@@ -56,6 +56,7 @@ def rank_target(path: str, world: int, overlap: float, calibrated_threads: int =
     dev = dataclasses.replace(dev, peak_flops={k: v * speed for k, v in dev.peak_flops.items()},
                               memory_bandwidth=dev.memory_bandwidth * speed,
                               cache_bandwidth=dev.cache_bandwidth * speed, cache_bytes=dev.cache_bytes / world,
+                              stream_bandwidth=dev.stream_bandwidth * speed,
                               launch_overhead_s=dev.launch_overhead_s * sliced,
                               custom_op_overhead_s=None if dev.custom_op_overhead_s is None else
                               dev.custom_op_overhead_s * sliced,
@@ -91,10 +92,12 @@ def _rank_run(rank: int, world: int, path: str, overlap: float, calibrated_threa
     sections = [s for s in opt.report.sections if s.call_seconds and s.prediction]
     s = max(sections, key=lambda s: statistics.median(s.call_seconds))  # the model's forward
     warm = s.call_seconds[2:]
+    q = statistics.quantiles(warm, n=4) if len(warm) > 1 else [warm[0]] * 3
     records = {r.name: {"matches": r.matches, "decisions": r.decisions, "near_misses": r.near_misses,
                         "before_s": r.predicted_before_s, "after_s": r.predicted_after_s}
                for r in s.records if r.name in COMMUNICATION}
-    return {"predicted_s": s.prediction["after_s"], "measured_s": statistics.median(warm), "records": records}
+    return {"predicted_s": s.prediction["after_s"], "measured_s": statistics.median(warm), "quartiles_s": (q[0], q[2]),
+            "records": records}
 
 
 OVERLAP: dict[int, float] = {}  # ranks -> measured share of a collective hidden beside compute
@@ -114,17 +117,35 @@ def measure_overlap(worlds) -> dict[int, float]:
 SHM = [True]  # whether the jobs may take the target's shared-memory path ([collectives.shm])
 
 
+GUARD: list = []  # the run's noise.Yardstick, shared with validate_cost_model where it calls in
+
+
+def _guard():
+    if not GUARD:
+        from metainfer.hardware import noise
+
+        GUARD.append(noise.Yardstick())
+    return GUARD[0]
+
+
 def _job(world: int, path: str, cache_dir: str, disable=(), options=None) -> dict:
+    """One job's slowest rank, run between yardstick readings (in this process, while no rank
+    runs) and run again while the machine swings outside the band."""
     from metainfer.parallel import multirank
 
     if world not in OVERLAP:
         measure_overlap([world])
-    res = multirank.run(_rank_run, world, args=(path, OVERLAP[world], CALIBRATED_THREADS, tuple(disable),
-                                                dict(options or {}), cache_dir, SHM[0]),
-                        timeout_s=1200, start_timeout_s=300)
-    slowest = max(res, key=lambda r: r["measured_s"])
-    return {"predicted_s": max(r["predicted_s"] for r in res), "measured_s": slowest["measured_s"],
-            "records": res[0]["records"]}
+
+    def run():
+        return multirank.run(_rank_run, world, args=(path, OVERLAP[world], CALIBRATED_THREADS, tuple(disable),
+                                                     dict(options or {}), cache_dir, SHM[0]),
+                             timeout_s=1200, start_timeout_s=300)
+
+    row = _guard().measure(run, f"tp{world} disable={','.join(disable) or '-'} options={options or '-'}")
+    slowest = max(row.value, key=lambda r: r["measured_s"])
+    return {"predicted_s": max(r["predicted_s"] for r in row.value), "measured_s": slowest["measured_s"],
+            "quartiles_s": slowest["quartiles_s"], "records": row.value[0]["records"], "stable": row.stable,
+            "yardstick_s": row.yardstick_s}
 
 
 def steps(path: str, cache_dir: str, worlds=(2, 4), progress=print) -> tuple[list[dict], dict]:
@@ -139,7 +160,8 @@ def steps(path: str, cache_dir: str, worlds=(2, 4), progress=print) -> tuple[lis
         for label, r in (("communication passes on", on), ("off", off)):
             rows.append({"model": "llama", "case": f"tp{world} gloo, prefill {BATCH}x{SEQ}, {label}",
                          "phase": "forward", "predicted_s": r["predicted_s"], "measured_s": r["measured_s"],
-                         "error": r["predicted_s"] / r["measured_s"] - 1})
+                         "error": r["predicted_s"] / r["measured_s"] - 1, "stable": r["stable"],
+                         "yardstick_ms": [[x * 1e3 for x in y] for y in r["yardstick_s"]]})
         progress(f"gloo tp{world}: {time.perf_counter() - t0:.0f} s")
     return rows, default
 
@@ -150,8 +172,12 @@ def _chunks(records: dict) -> int:
     return max(ks, default=1)
 
 
-def decisions(path: str, cache_dir: str, default: dict, worlds=(2,), tie: float = 0.05, progress=print) -> list[dict]:
-    """Each communication decision of the default run against the measured alternative."""
+def decisions(path: str, cache_dir: str, default: dict, worlds=(2,), progress=print) -> list[dict]:
+    """Each communication decision of the default run against the measured alternative, the
+    difference judged against the noise of the two jobs (their calls' quartiles and the
+    yardstick around them: noise.decision_noise)."""
+    from metainfer.hardware import noise
+
     rows = []
     for world in worlds:
         t0 = time.perf_counter()
@@ -159,31 +185,33 @@ def decisions(path: str, cache_dir: str, default: dict, worlds=(2,), tie: float 
         rec = base["records"]
 
         def row(pass_name, says, on, off, what):
-            tied = abs(on - off) / min(on, off) < tie
-            favours = "either" if tied else ("apply" if on < off else "decline")
+            band = noise.decision_noise(list(on["quartiles_s"]), list(off["quartiles_s"]),
+                                        [*on["yardstick_s"], *off["yardstick_s"]])
+            favours = (noise.verdict(on["measured_s"], off["measured_s"], band) if on["stable"] and off["stable"]
+                       else "unstable")
             rows.append({"model": "llama", "case": f"tp{world} gloo prefill {BATCH}x{SEQ}", "pass": pass_name,
-                         "phase": what, "model_says": says, "measured_on_s": on, "measured_off_s": off,
-                         "measurement_favours": favours, "agree": tied or (says == favours)})
+                         "phase": what, "model_says": says, "measured_on_s": on["measured_s"],
+                         "measured_off_s": off["measured_s"], "noise": band, "measurement_favours": favours,
+                         "agree": favours in ("either", says)})
 
         for pass_name in ("sequence_parallel", "two_batch_overlap"):
             fired = rec[pass_name]["matches"] > 0
             other = (_job(world, path, cache_dir, disable=(pass_name,)) if fired else
                      _job(world, path, cache_dir, options={pass_name: True}))
             on, off = (base, other) if fired else (other, base)
-            row(pass_name, "apply" if fired else "decline", on["measured_s"], off["measured_s"], "forward")
+            row(pass_name, "apply" if fired else "decline", on, off, "forward")
         k = _chunks(rec)
         alt = 2 if k == 1 else 1
         other = (_job(world, path, cache_dir, disable=("pipeline_collectives",)) if alt == 1 else
                  _job(world, path, cache_dir, options={"pipeline_chunks": alt}))
         on, off = (base, other) if k > 1 else (other, base)
-        row("pipeline_collectives", "apply" if k > 1 else "decline", on["measured_s"], off["measured_s"],
-            f"k={max(k, alt)} vs whole")
+        row("pipeline_collectives", "apply" if k > 1 else "decline", on, off, f"k={max(k, alt)} vs whole")
         if any(": shared memory, predicted" in d for d in rec["select_collectives"]["decisions"]):
             other = _job(world, path, cache_dir, disable=("select_collectives",))  # every collective on gloo
-            row("select_collectives", "apply", base["measured_s"], other["measured_s"], "shared memory vs gloo")
+            row("select_collectives", "apply", base, other, "shared memory vs gloo")
         if rec["overlap_collectives"]["matches"]:
             other = _job(world, path, cache_dir, disable=("overlap_collectives",))
-            row("overlap_collectives", "apply", base["measured_s"], other["measured_s"], "order")
+            row("overlap_collectives", "apply", base, other, "order")
         else:  # nothing was re-ordered: the decision is only measurable where it fires
             progress(f"gloo tp{world}: overlap_collectives kept the order; not measured")
         progress(f"gloo tp{world} decisions: {time.perf_counter() - t0:.0f} s")
@@ -198,7 +226,7 @@ def main(argv=None) -> int:
     import sys
     import tempfile
 
-    from validate_cost_model import TIE, decision_table, table
+    from validate_cost_model import decision_table, summarise, table
 
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="a calibrated target TOML (metainfer calibrate --ranks 2)")
@@ -212,14 +240,13 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as cache:
             say = lambda s: print(f"[{label}] {s}", file=sys.stderr, flush=True)  # noqa: E731
             rows, default = steps(a.target, cache, a.ranks, progress=say)
-            chosen = decisions(a.target, cache, default, a.ranks[:1], TIE, progress=say)
+            chosen = decisions(a.target, cache, default, a.ranks[:1], progress=say)
         print(f"\n{label}:")
         print(table(rows))
         print()
         print(decision_table(chosen))
-        summary[label] = {"graphs": len(rows), "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
-                          "decisions": len(chosen), "decisions_agree": sum(r["agree"] for r in chosen),
-                          "measured_on_s": {r["case"]: r["measured_s"] for r in rows}}
+        summary[label] = {**summarise(rows, chosen, _guard()), "measured_on_s": {r["case"]: r["measured_s"] for r in rows}}
+    print(_guard().line())
     print(json.dumps(summary))
     return 0
 

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from metainfer.hardware import targets
+    from metainfer.hardware import noise, targets
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Measurements:
     stream_gbs: dict[str, float] = field(default_factory=dict)  # weight set MiB -> GB/s a decode matmul streams it
     cache_mib: float = 0.0  # 0: no cache level found
     cache_gbs: float = 0.0
+    stream_gbs_beyond_cache: float = 0.0  # decode matmuls' streaming rate over the sets the cache level does not hold
     memory_overlap: float = 1.0  # share of a kernel's memory time hidden under its arithmetic
     kernel_overhead_us: float = 0.0
     custom_op_overhead_us: dict[str, float] = field(default_factory=dict)  # op -> us per call
@@ -64,9 +65,16 @@ class Measurements:
     collectives: dict[str, dict] = field(default_factory=dict)  # "all_reduce 2" -> {alpha_us, beta_gbs, points}
     comm_overlap: dict[str, float] = field(default_factory=dict)  # ranks -> share of a collective hidden
     fingerprint: dict = field(default_factory=dict)  # metainfer.hardware.machine.Machine's fields: where measured
+    noise: dict = field(default_factory=dict)  # metainfer.hardware.noise.Yardstick.summary(): the machine's swing
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _guarded(guard, fn, label: str):
+    """fn()'s value, measured between yardstick readings where a guard is given (re-measured
+    while the machine swings; an unstable row is kept but named in the guard's summary)."""
+    return fn() if guard is None else guard.measure(fn, label).value
 
 
 def _median_seconds(fn, repeat: int, warmup: int = 2) -> float:
@@ -87,7 +95,7 @@ MATMUL_SHAPES = {  # class -> (M, K, N)
 }
 
 
-def measure_matmuls(quick: bool = False) -> dict[str, float]:
+def measure_matmuls(quick: bool = False, guard=None) -> dict[str, float]:
     import torch
 
     out = {}
@@ -100,7 +108,9 @@ def measure_matmuls(quick: bool = False) -> dict[str, float]:
             repeat = max(3, min(50, int(0.5 / max(probe, 1e-6))))  # ~0.5 s of timing per shape
             if probe > 2.0:  # a dtype without a fast GEMM here (bf16 on most CPUs): one timing
                 repeat = 1
-            out[f"{label} {cls}"] = 2 * m * k * n / _median_seconds(lambda: a @ b, repeat, warmup=0) / 1e9
+            seconds = _guarded(guard, lambda: _median_seconds(lambda: a @ b, repeat, warmup=0),  # noqa: B023
+                               f"matmul {label} {cls}")
+            out[f"{label} {cls}"] = 2 * m * k * n / seconds / 1e9
     return out
 
 
@@ -117,22 +127,26 @@ def measure_copy(quick: bool = False) -> float:
 CACHE_SWEEP_MIB = (8, 16, 32, 64, 96, 128, 192, 256, 512)
 
 
-def measure_weight_streaming(quick: bool = False) -> dict[int, float]:
-    """GB/s at which decode-shaped matmuls (2 rows x 512) read each of a set of 512 x 1024
-    fp32 weights, by the set's total MiB: how fast memory-bound work runs when the program
-    touches that many bytes per call."""
+def measure_weight_streaming(quick: bool = False, guard=None) -> dict[int, float]:
+    """GB/s at which decode-shaped linears (2 rows x 512 in, 1024 out) read each of a set of
+    1024 x 512 fp32 weights, by the set's total MiB: how fast memory-bound work runs when the
+    program touches that many bytes per call. The weights lie as nn.Linear keeps them (out x
+    in: the GEMM reads them transposed), which streams ~1.8x slower here than the same bytes
+    laid in x out (4.5-5.7 against 8.2-10.2 GB/s on this project's EPYC VM, 2026-12-06)."""
     import torch
 
     x = torch.full((2, 512), 0.5)
 
     def stream(weights):
         for w in weights:
-            torch.mm(x, w)
+            torch.nn.functional.linear(x, w)
 
     out = {}
     for mib in ((16, 64, 128, 512) if quick else CACHE_SWEEP_MIB):
-        weights = [torch.full((512, 1024), 0.5) for _ in range(mib // 2)]
-        out[mib] = mib * 2**20 / _median_seconds(lambda: stream(weights), 5 if quick else 10) / 1e9  # noqa: B023
+        weights = [torch.full((1024, 512), 0.5) for _ in range(mib // 2)]
+        seconds = _guarded(guard, lambda: _median_seconds(lambda: stream(weights), 5 if quick else 10),  # noqa: B023
+                           f"streaming {mib} MiB")
+        out[mib] = mib * 2**20 / seconds / 1e9
     return out
 
 
@@ -154,17 +168,25 @@ def cache_level(stream_gbs: dict[int, float]) -> tuple[float, float]:
     return float(fits[-1]), statistics.median(stream_gbs[s] for s in fits)
 
 
+def streaming_beyond(stream_gbs: dict[int, float], cache_mib: float) -> float:
+    """GB/s a matmul streams weights that do not fit the cache level: the median rate of the
+    sweep's sets larger than it (every set where no level was found)."""
+    beyond = [v for k, v in stream_gbs.items() if k > cache_mib]
+    return statistics.median(beyond) if beyond else min(stream_gbs.values())
+
+
 def measure_memory_overlap(peak_gflops: float, memory_gbs: float, quick: bool = False) -> float:
     """The share of a matmul's memory time that runs beside its arithmetic, in [0, 1]: 128-row
-    matmuls over a 512 MiB set of 1376 x 512 fp32 weights (read from memory, not a cache),
-    each time t against t_c = FLOPs / peak and t_m = weight bytes / bandwidth:
+    linears over a 512 MiB set of 512 x 1376 fp32 weights (nn.Linear's layout; read from
+    memory, not a cache), each time t against t_c = FLOPs / peak and t_m = weight bytes /
+    bandwidth (the streaming rate the cost model gives a matmul's operands):
     1 - (t - max(t_c, t_m)) / min(t_c, t_m), clamped."""
     import torch
 
     rows, k, n = 128, 1376, 512
-    weights = [torch.full((k, n), 0.5) for _ in range((128 if quick else 512) * 2**20 // (k * n * 4))]
+    weights = [torch.full((n, k), 0.5) for _ in range((128 if quick else 512) * 2**20 // (k * n * 4))]
     x = torch.full((rows, k), 0.5)
-    t = _median_seconds(lambda: [torch.mm(x, w) for w in weights], 3 if quick else 7) / len(weights)
+    t = _median_seconds(lambda: [torch.nn.functional.linear(x, w) for w in weights], 3 if quick else 7) / len(weights)
     t_c, t_m = 2 * rows * k * n / (peak_gflops * 1e9), k * n * 4 / (memory_gbs * 1e9)
     return min(1.0, max(0.0, 1 - (t - max(t_c, t_m)) / min(t_c, t_m)))
 
@@ -445,14 +467,15 @@ def fit_ring(points: dict[int, float], world: int, kind: str) -> tuple[float, fl
     return fit_line({m / world: t / steps for m, t in points.items()})
 
 
-def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict]:
+def measure_collectives(ranks: list[int], quick: bool = False, guard=None) -> dict[str, dict]:
     from metainfer.parallel import multirank
 
     sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20] + ([] if quick else [16 << 20])
     out = {}
     for world in ranks:
-        results = multirank.run(_collective_timings, world_size=world, args=(sizes, 5 if quick else 10),
-                                timeout_s=300)
+        results = _guarded(guard, lambda: multirank.run(_collective_timings, world_size=world,  # noqa: B023
+                                                        args=(sizes, 5 if quick else 10), timeout_s=300),
+                           f"collectives over {world} ranks")
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             # the slowest rank's time at each size: a collective ends when its last rank does
             points = {m: max(r[kind][m] for r in results) for m in sizes}
@@ -472,38 +495,49 @@ def measure_collectives(ranks: list[int], quick: bool = False) -> dict[str, dict
     return out
 
 
-def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False, progress=print) -> Measurements:
+def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False, progress=print,
+            guard: "noise.Yardstick | None" = None) -> Measurements:
     """This machine's numbers; `base` is the target they will replace numbers of (its other
-    fields price the custom ops while the calibration runs)."""
+    fields price the custom ops while the calibration runs). Every row is measured between
+    readings of `guard`'s yardstick (a fresh one by default): re-measured while the machine
+    swings outside its band, and named unstable in `noise` where it never held still."""
     import torch
 
-    from metainfer.hardware import machine, targets
+    from metainfer.hardware import machine, noise, targets
 
+    guard = guard or noise.Yardstick()
     m = Measurements(machine=f"{platform.node()} ({platform.processor() or platform.machine()})",
                      when=datetime.date.today().isoformat(), torch_threads=torch.get_num_threads(),
                      fingerprint=asdict(machine.current(gpu=targets.required(base, "calibrate").device.kind == "cuda")))
     progress("matmuls ...")
-    m.matmul_gflops = measure_matmuls(quick)
+    m.matmul_gflops = measure_matmuls(quick, guard)
     progress("memory bandwidth ...")
-    m.copy_gbs = measure_copy(quick)
+    m.copy_gbs = _guarded(guard, lambda: measure_copy(quick), "copy")
     progress("cache level ...")
-    streamed = measure_weight_streaming(quick)
+    streamed = measure_weight_streaming(quick, guard)
     m.stream_gbs = {str(k): v for k, v in streamed.items()}
     m.cache_mib, m.cache_gbs = cache_level(streamed)
-    m.memory_overlap = measure_memory_overlap(m.matmul_gflops["fp32 large"], m.copy_gbs, quick)
+    m.stream_gbs_beyond_cache = streaming_beyond(streamed, m.cache_mib)
+    # against the rate the cost model gives a matmul's weights (streaming, not a copy's)
+    m.memory_overlap = _guarded(guard, lambda: measure_memory_overlap(m.matmul_gflops["fp32 large"],
+                                                                      m.stream_gbs_beyond_cache, quick),
+                                "memory overlap")
     progress("per-kernel overhead ...")
-    m.kernel_overhead_us = measure_kernel_overhead()
-    m.custom_op_overhead_us = measure_custom_op_overheads()
+    m.kernel_overhead_us = _guarded(guard, measure_kernel_overhead, "per-kernel overhead")
+    m.custom_op_overhead_us = _guarded(guard, measure_custom_op_overheads, "custom-op overheads")
     progress("custom ops against their roofline ...")
     import tomllib
 
     provisional = targets.from_dict(tomllib.loads(to_toml(m, base)), "calibration in progress")
-    m.custom_op_slowdown = measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us)
+    m.custom_op_slowdown = _guarded(guard, lambda: measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us),
+                                    "custom ops against their roofline")
     if ranks:
         progress(f"gloo collectives over {', '.join(map(str, ranks))} ranks ...")
-        measured = measure_collectives(list(ranks), quick)
+        measured = measure_collectives(list(ranks), quick, guard)
         m.comm_overlap = {k.split()[1]: overlap_share(measured.pop(k)) for k in list(measured) if k.startswith("overlap")}
         m.collectives = measured
+    m.noise = guard.summary()
+    progress(guard.line())
     return m
 
 
@@ -526,6 +560,7 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
     lines = [
         f"# {t.name} calibrated by `metainfer calibrate` on {m.machine}, {m.when},",
         f"# torch with {m.torch_threads} threads. Every number below was measured then.",
+        *([f"# {_noise_words(m.noise)}"] if m.noise else []),
         f'name = "{t.name}-calibrated"',
         f'description = "{t.description}, calibrated {m.when}"',
         f"num_devices = {t.num_devices}",
@@ -544,6 +579,10 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
                   "# largest set streaming at least halfway between the fastest and the largest set, at the median",
                   "# rate of the sets it holds",
                   f"cache_mib = {m.cache_mib:.4g}", f"cache_bandwidth_gbs = {m.cache_gbs:.4g}"]
+    if m.stream_gbs_beyond_cache:
+        lines += ["# decode matmuls streaming weight sets larger than the cache level (the median of those sets'",
+                  "# rates): how fast a matmul reads operands from memory, which a copy's rate overstates",
+                  f"stream_bandwidth_gbs = {m.stream_gbs_beyond_cache:.4g}"]
     lines += ["# share of a 128-row matmul's weight reads (512 MiB of weights) hidden under its arithmetic",
               f"memory_overlap = {m.memory_overlap:.3g}"]
     lines += [
@@ -609,11 +648,21 @@ def to_toml(m: Measurements, base: "targets.Target") -> str:
     return "\n".join(lines)
 
 
+def _noise_words(n: dict) -> str:
+    from metainfer.hardware import noise
+
+    return noise.swing_words(n) + ("; the unstable rows were measured while the machine swung: treat them with doubt"
+                                   if n["unstable"] else "")
+
+
 def table(m: Measurements) -> str:
     rows = [f"matmul {k}: {v:.1f} GFLOP/s" for k, v in m.matmul_gflops.items()]
     rows.append(f"copy: {m.copy_gbs:.1f} GB/s (read + write)")
     rows += [f"decode matmuls streaming {k} MiB of weights: {v:.1f} GB/s" for k, v in m.stream_gbs.items()]
     rows.append(f"cache level: {m.cache_mib:.0f} MiB at {m.cache_gbs:.1f} GB/s" if m.cache_mib else "cache level: none found")
+    if m.stream_gbs_beyond_cache:
+        rows.append(f"matmuls streaming from memory (beyond the cache level): {m.stream_gbs_beyond_cache:.1f} GB/s "
+                    f"(a copy: {m.copy_gbs:.1f})")
     rows.append(f"memory time hidden under a matmul's arithmetic: {m.memory_overlap:.0%}")
     rows.append(f"per-kernel overhead (compiled): {m.kernel_overhead_us:.2f} us")
     rows += [f"per call of {'transformers' if k.startswith('grouped_mm') else 'metainfer'}::{k} (compiled): {v:.1f} us"
@@ -626,4 +675,6 @@ def table(m: Measurements) -> str:
             lib = "shared memory" if k.startswith("shm ") else "gloo"
             rows.append(f"{lib} {k.removeprefix('shm ')} ranks: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s")
     rows += [f"gloo all-reduce beside a matmul, {k} ranks: {v:.0%} of it hidden" for k, v in m.comm_overlap.items()]
+    if m.noise:
+        rows.append(_noise_words(m.noise))
     return "\n".join(rows)

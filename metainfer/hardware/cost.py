@@ -242,23 +242,26 @@ class OpCost:
     priced_by_bytes: bool = False  # an op the model does not know: its FLOPs are not counted
 
 
-def _work_seconds(flops: float, nbytes: float, dtype_key: str, dev, footprint: float | None) -> tuple[float, str]:
+def _work_seconds(flops: float, nbytes: float, dtype_key: str, dev, footprint: float | None,
+                  stream: bool = False) -> tuple[float, str]:
     """A kernel's time without its launch, and what bounds it: the larger of its arithmetic and
-    its memory time, plus the share of the smaller that does not overlap (`memory_overlap`)."""
-    compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.bandwidth(footprint)
+    its memory time, plus the share of the smaller that does not overlap (`memory_overlap`).
+    `stream`: a matmul's operands, read at the device's GEMM streaming rate (`DeviceSpec.bandwidth`)."""
+    compute, memory = flops / dev.peak_flops[dtype_key], nbytes / dev.bandwidth(footprint, stream)
     body = max(compute, memory) + (1 - dev.memory_overlap) * min(compute, memory)
     return body, "compute" if compute >= memory else "memory"
 
 
 def roofline(flops: float, nbytes: float, dtype_key: str, target: Target, overhead_s: float | None = None,
-             footprint: float | None = None) -> OpCost:
+             footprint: float | None = None, stream: bool = False) -> OpCost:
     """max(FLOPs / peak, bytes / bandwidth) + launch overhead (or `overhead_s`) on one device
     of `target`; the bandwidth is the cache level's where the program's `footprint` (bytes it
     touches per call) fits in it (`DeviceSpec.bandwidth`); on a device whose loads do not
-    overlap its arithmetic, the smaller term is added, not hidden (`memory_overlap`)."""
+    overlap its arithmetic, the smaller term is added, not hidden (`memory_overlap`); a matmul's
+    bytes (`stream`) move at the device's GEMM streaming rate."""
     dev = target.device
     overhead = dev.launch_overhead_s if overhead_s is None else overhead_s
-    body, bound = _work_seconds(flops, nbytes, dtype_key, dev, footprint)
+    body, bound = _work_seconds(flops, nbytes, dtype_key, dev, footprint, stream)
     if overhead > body:
         bound = "launch"
     return OpCost(flops, nbytes, body + overhead, bound)
@@ -302,6 +305,11 @@ def _peak_key(dtype: torch.dtype) -> str:
     if dtype.is_floating_point and dtype.itemsize == 1:
         return "fp8"
     return "fp32"
+
+
+# matmul kernels: their operands stream at the device's GEMM rate (DeviceSpec.stream_bandwidth)
+GEMMS = {("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"), ("metainfer", "fp8_linear"),
+         ("metainfer", "int4_linear"), ("metainfer", "moe_experts"), ("transformers", "grouped_mm_fallback")}
 
 
 def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None]:
@@ -357,19 +365,21 @@ def custom_op_overhead(name: str, target: Target, experts: float = 1.0) -> float
 
 
 def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, custom_op: str | None = None,
-                experts: float = 1.0, slowdown: bool = True, footprint: float | None = None) -> OpCost:
+                experts: float = 1.0, slowdown: bool = True, footprint: float | None = None,
+                gemm: bool = False) -> OpCost:
     """One kernel of `flops` work moving `nbytes` on one device of `target`: the roofline plus
     a launch; for metainfer's custom op `custom_op`, its calibrated call overhead instead of
     the launch and its work scaled by its calibrated slowdown over the roofline (where the
     target has them). The one formula for a kernel, used for graph nodes (`op_cost`), fused
     groups and the planner's modelled layers alike. `slowdown=False`: the work is already
     priced as it runs (the calibrated slowdown was measured on another path of the op).
-    `footprint`: the bytes the whole program touches per call (see `roofline`)."""
+    `footprint`: the bytes the whole program touches per call (see `roofline`); `gemm`: a
+    matmul kernel (its bytes stream at the device's GEMM rate)."""
     custom = custom_op_overhead(custom_op, target, experts) if custom_op else None
-    c = roofline(flops, nbytes, dtype_key, target, custom, footprint)
+    c = roofline(flops, nbytes, dtype_key, target, custom, footprint, gemm)
     factor = target.device.custom_op_slowdown.get(custom_op, 1.0) if custom_op and slowdown else 1.0
     if factor != 1.0:  # calibrated: this op's work runs `factor` times its roofline here
-        body, _ = _work_seconds(flops, nbytes, dtype_key, target.device, footprint)
+        body, _ = _work_seconds(flops, nbytes, dtype_key, target.device, footprint, gemm)
         c = OpCost(c.flops, c.bytes, c.seconds + (factor - 1) * body, c.bound)
     return c
 
@@ -443,7 +453,8 @@ def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None)
             moved -= tensor_bytes(weight) * (1 - experts / total)
         if name in target.device.custom_op_overheads:  # calibrated: its host loop's costs
             custom_op = name
-    c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated, footprint=footprint)
+    c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated, footprint=footprint,
+                    gemm=(ns, name) in GEMMS)
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 

@@ -304,7 +304,7 @@ class _Layer:
         t = self.tokens if tokens is None else tokens
         w_bytes = k * n * self.m.weight_bytes * (1 if weights is None else weights)
         c = cost.kernel_cost(2 * t * k * n, w_bytes + t * (k + n) * self.m.act_bytes, self.gemm_key, self.t,
-                             "fp8_linear" if self.gemm_key == "fp8" else None)
+                             "fp8_linear" if self.gemm_key == "fp8" else None, gemm=True)
         self.tl.compute(name, c.seconds, detail=f"{c.bound}-bound")
 
     def pointwise(self, name: str, elements: float, passes: int = 2):
@@ -394,7 +394,7 @@ class _Layer:
         width = I / split
         c = cost.kernel_cost(2 * pairs * 3 * m.hidden * width,
                              touched * 3 * m.hidden * width * m.weight_bytes + pairs * 2 * m.hidden * m.act_bytes,
-                             self.gemm_key, self.t, "moe_experts", experts=touched)
+                             self.gemm_key, self.t, "moe_experts", experts=touched, gemm=True)
         self.tl.compute("moe_experts", c.seconds, detail=f"{c.bound}-bound")
         if p.ep > 1:
             # back to the token's rank; the shared expert (whole on every rank) runs on the
@@ -425,7 +425,8 @@ def _layer_time(kind: str, m, p, target, phase, tokens, seqs, context) -> tuple[
 
 def _head_time(m: ModelShape, p: Plan, target, rows: float) -> tuple[float, float]:
     """LM head on the rows that need logits (vocabulary-parallel) and gathering them."""
-    c = cost.kernel_cost(2 * rows * m.hidden * m.vocab / p.tp, m.hidden * m.vocab / p.tp * m.act_bytes, "bf16", target)
+    c = cost.kernel_cost(2 * rows * m.hidden * m.vocab / p.tp, m.hidden * m.vocab / p.tp * m.act_bytes, "bf16", target,
+                         gemm=True)
     comm = cost.best("all_gather", rows * m.vocab * 4, target, ranks=p.tp).seconds if p.tp > 1 else 0.0
     return c.seconds + comm, comm
 

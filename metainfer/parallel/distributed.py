@@ -99,7 +99,8 @@ def host_ranks(target: _targets.Target, world: int) -> _targets.Target:
     d = t.device
     dev = dataclasses.replace(d, peak_flops={k: v / world for k, v in d.peak_flops.items()},
                               memory_bytes=d.memory_bytes / world, memory_bandwidth=d.memory_bandwidth / world,
-                              cache_bytes=d.cache_bytes / world, cache_bandwidth=d.cache_bandwidth / world)
+                              cache_bytes=d.cache_bytes / world, cache_bandwidth=d.cache_bandwidth / world,
+                              stream_bandwidth=d.stream_bandwidth / world)
     topo = dataclasses.replace(t.topology, islands=(tuple(range(world)),), inter_island=None)
     return dataclasses.replace(t, name=f"{t.name}@{world}", num_devices=world, device=dev, topology=topo,
                                description=f"{t.description}, as {world} ranks of one host (each 1/{world} of it)")

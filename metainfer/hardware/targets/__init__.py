@@ -59,12 +59,22 @@ class DeviceSpec:
     # max) where loads overlap compute; 0 where they add (a CPU GEMM packs its weight first)
     memory_overlap: float = 1.0
 
-    def bandwidth(self, footprint: "float | None" = None) -> float:
+    # bytes/s at which a matmul streams its operands from memory beyond the cache level (a
+    # calibrated CPU: decode-shaped matmuls over weight sets larger than the cache); 0: the
+    # memory bandwidth. A copy's rate overstates it where the GEMM library does not stream at
+    # the memory's speed (3.8x on this project's EPYC VM)
+    stream_bandwidth: float = 0.0
+
+    def bandwidth(self, footprint: "float | None" = None, stream: bool = False) -> float:
         """Bytes/s memory-bound work gets when the program it belongs to touches `footprint`
-        bytes per call: the cache level's where that fits in it, else memory's (None: memory's)."""
+        bytes per call (None: not known). `stream`: a matmul's operands (the GEMM streaming
+        rate beyond the cache level); else element-wise work and copies (the memory's rate). A
+        footprint that fits the cache level gets its bandwidth, or memory's where that is faster
+        (the level was measured with matmuls: element-wise work is never slower in a cache)."""
+        beyond = self.stream_bandwidth if stream and self.stream_bandwidth > 0 else self.memory_bandwidth
         if footprint is not None and self.cache_bandwidth > 0 and footprint <= self.cache_bytes:
-            return self.cache_bandwidth
-        return self.memory_bandwidth
+            return self.cache_bandwidth if stream else max(self.cache_bandwidth, self.memory_bandwidth)
+        return beyond
 
     @property
     def knows_custom_op_costs(self) -> bool:
@@ -253,6 +263,8 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Target:
         **_cache_level(dev, errors),
         memory_overlap=dev._number("memory_overlap", lambda v: 0 <= v <= 1, "in [0, 1]")
         if dev.get("memory_overlap") is not None else 1.0,
+        stream_bandwidth=dev.positive("stream_bandwidth_gbs") * 1e9 if dev.get("stream_bandwidth_gbs") is not None
+        else 0.0,
     )
     single = num_devices == 1
     topo = r.table("topology", optional=single)

@@ -268,8 +268,6 @@ def cmd_serve(a) -> int:
         raise UsageError(f"metainfer serve needs the serve extra (pip install 'metainfer[serve]'): no {', '.join(missing)}")
     import logging
 
-    import torch
-
     import metainfer
     from metainfer import servebench
     from metainfer.server import app
@@ -280,14 +278,17 @@ def cmd_serve(a) -> int:
 
     cfg = ContinuousBatchingConfig(**{k: v for k, v in (("num_blocks", a.num_blocks),
                                                         ("max_batch_tokens", a.max_batch_tokens)) if v is not None})
+    dtype, dtype_note = _serve_dtype(a, device)
+    if dtype_note:
+        logging.getLogger("metainfer.serve").info(dtype_note)
     run_options = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get("METAINFER_API_KEY"),
                        max_running=a.max_running, max_queue=a.max_queue, request_timeout=a.request_timeout,
                        grace=a.grace, max_request_bytes=a.max_request_bytes,
-                       speculation=_speculation(a, device))
+                       speculation=_speculation(a, device, dtype))
 
     def load(on: str):
         try:
-            model, tokenizer, name = servebench.load_model(a.model, dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
+            model, tokenizer, name = servebench.load_model(a.model, dtype=dtype, attn=a.attn)
         except (ValueError, OSError) as e:
             raise UsageError(f"--model {a.model}: {e}") from None
         return model.to(on), tokenizer, a.served_model_name or name
@@ -309,12 +310,35 @@ def cmd_serve(a) -> int:
                            rank_timeout_s=a.rank_timeout, step_timeout_s=a.step_timeout)
     model, tokenizer, name = load(device)
     opt = metainfer.optimize(model, target, lowering=a.lowering, serve_compile="always")
+    if dtype_note:
+        opt.report.notes.append(dtype_note)
     info = ModelInfo(name=name, vocab_size=model.config.vocab_size,
                      max_positions=getattr(model.config, "max_position_embeddings", None), tokenizer=tokenizer)
     return app.run(opt, info, cb_config=cfg, **run_options)
 
 
-def _speculation(a, device):
+def _serve_dtype(a, device: str):
+    """(the dtype to serve in, why where it is not the one the model was saved in): --dtype, or
+    for auto the checkpoint's own dtype, computed in float32 on a CPU whose half-precision
+    GEMMs measure far slower than float32's (hardware.machine.cpu_compute_dtype)."""
+    import torch
+
+    from metainfer import servebench
+
+    if a.dtype != "auto":
+        return getattr(torch, _DTYPES[a.dtype]), None
+    try:
+        saved = servebench.checkpoint_dtype(a.model)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--model {a.model}: {e}") from None
+    if device != "cpu":
+        return saved, None
+    from metainfer.hardware import machine
+
+    return machine.cpu_compute_dtype(saved)
+
+
+def _speculation(a, device, dtype):
     """(drafter, max draft tokens) from --speculative prompt-lookup | draft MODEL, or None."""
     if not a.speculative:
         return None
@@ -325,10 +349,8 @@ def _speculation(a, device):
     if kind == "prompt-lookup" and not rest:
         return serve_speculation.drafter(kind), a.draft_tokens
     if kind == "draft" and len(rest) == 1:
-        import torch
-
         try:
-            draft, _tok, _name = servebench.load_model(rest[0], dtype=getattr(torch, _DTYPES[a.dtype]), attn=a.attn)
+            draft, _tok, _name = servebench.load_model(rest[0], dtype=dtype, attn=a.attn)
         except (ValueError, OSError) as e:
             raise UsageError(f"--speculative draft {rest[0]}: {e}") from None
         return serve_speculation.drafter(kind, draft.to(device)), a.draft_tokens
@@ -539,7 +561,9 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft-tokens", type=_positive_int, default=4, metavar="K",
                     help="with --speculative: at most K draft tokens a request a step (default 4)")
     sv.add_argument("--max-batch-tokens", type=_positive_int, metavar="N", help="tokens per engine step")
-    sv.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="default float32")
+    sv.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
+                    help="the dtype to compute in (default auto: the checkpoint's own, but float32 on a CPU whose "
+                         "bf16/fp16 GEMMs measure at least 2x slower than float32's; the log and the report say why)")
     sv.add_argument("--attn", choices=("eager", "sdpa"), default="sdpa", help="the model's attention (default sdpa)")
     sv.add_argument("--lowering", choices=("inductor", "aot_eager"), help="metainfer's lowering (default inductor)")
     sv.add_argument("--ranks", type=_positive_int, metavar="N",

@@ -131,6 +131,7 @@ class Row:
     rounds: list[float] = field(default_factory=list)  # seconds of each measured round
     reference_equal: int | None = None  # requests whose tokens equal the reference's (run(reference=))
     reference_prefix: float | None = None  # mean share of the reference's tokens matched before the first difference
+    unstable_rounds: int = 0  # measured rounds the noise guard found the machine swinging through (left out)
 
     @property
     def input_tps(self) -> float:
@@ -233,7 +234,8 @@ def _latencies(times) -> tuple[float | None, float | None]:
 
 def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: dict | None = None,
         static_batch: int = 8, progress: bool = True, lowering: str | None = None, rounds: int = 2,
-        reference: list[list[int]] | None = None, cache_dir=None, engine_sizing: bool = False) -> list[Row]:
+        reference: list[list[int]] | None = None, cache_dir=None, engine_sizing: bool = False,
+        guard=None) -> list[Row]:
     """Serve `workload` with each variant (model: a transformers causal LM in eval mode).
 
     Every variant serves the workload `rounds` times, interleaved (round r of every variant
@@ -245,7 +247,10 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
     variant's tokens are scored; `cache_dir`: metainfer's compile cache (a fresh one measures a
     cold start). Unless `cb_config` gives a pool, the plain engines get one that holds the
     workload (metainfer sizes its own for it); `engine_sizing=True` leaves each engine to its own
-    defaults instead (the plain engine's can take most of the machine's memory)."""
+    defaults instead (the plain engine's can take most of the machine's memory). `guard`: a
+    metainfer.hardware.noise.Yardstick timed around every measured round, which runs again while
+    the machine swings outside its band; a round that never held still is left out of the
+    row's median where a stable one remains (`unstable_rounds` counts them)."""
     from tqdm.auto import tqdm
 
     unknown = set(variants) - set(VARIANTS)
@@ -264,31 +269,44 @@ def run(model, workload: Workload, target="cpu", variants=VARIANTS, cb_config: d
     servers = {v: _server(v, model, workload, target, cb_config if v.startswith("cb+metainfer") else plain_cfg,
                           lowering, cache_dir) for v in variants}
     bar = tqdm(total=rounds * len(variants), desc="serving benchmark", unit="run", disable=not progress)
-    runs: dict[str, list] = {v: [] for v in variants}
+    runs: dict[str, list] = {v: [] for v in variants}  # (result, peak MiB, stable) per round
     for round_ in range(rounds):
         for v in variants:
-            serve = servers[v]
-            if v == "hf-generate":
-                with _PeakRSS() as mem:
-                    result = _static_batches(model, prompts, outputs, static_batch)
-            elif v == "cb-tuned" and round_ == 0:
-                result, mem = serve.sweep(prompts, workload, outputs)
-            else:
+            def serve_once(v=v, serve=servers[v], round_=round_):
+                if v == "hf-generate":
+                    with _PeakRSS() as mem:
+                        return _static_batches(model, prompts, outputs, static_batch), mem.mib
+                if v == "cb-tuned" and round_ == 0:
+                    result, mem = serve.sweep(prompts, workload, outputs)
+                    return result, mem.mib
                 with _PeakRSS() as mem:
                     result = _engine_run(serve.modes(), prompts, workload, outputs)
-            runs[v].append((result, mem.mib))
+                return result, mem.mib
+
+            if guard is None or round_ == 0:  # round 0 compiles: its time is the first-run figure, not a rate
+                runs[v].append((*serve_once(), True))
+            else:
+                kept = guard.measure(serve_once, f"{v} round {round_}")
+                runs[v].append((*kept.value, kept.stable))
             bar.update(1)
     bar.close()
     rows = []
     plain = runs.get("cb")
     for v in variants:
-        (first, first_peak), measured = runs[v][0], runs[v][1:]
+        (first, first_peak, _), measured = runs[v][0], runs[v][1:]
+        unstable = sum(not ok for *_, ok in measured)
+        steady = [(r, peak) for r, peak, ok in measured if ok]
+        noted = ([f"{unstable} measured round(s) left out: the machine swung outside the noise band"] if steady and unstable
+                 else ["every measured round ran while the machine swung outside the noise band: unstable"] if unstable
+                 else [])
+        measured = steady or [(r, peak) for r, peak, _ in measured]
         seconds = statistics.median(r[0] for r, _ in measured)
         last = measured[-1][0]
         ttft, tpot = _latencies(last[1])
         row = Row(v, seconds, first[0], sum(len(p) for p in prompts), sum(len(t) for t in last[2]), ttft, tpot,
                   max(peak for _, peak in measured), servers[v].graphs(), requests=len(prompts),
-                  first_peak_mib=first_peak, rounds=[r[0] for r, _ in measured], notes=servers[v].notes())
+                  first_peak_mib=first_peak, rounds=[r[0] for r, _ in measured], notes=servers[v].notes() + noted,
+                  unstable_rounds=unstable)
         if plain is not None:
             row.same_tokens = sum(a == b for a, b in zip(last[2], plain[-1][0][2]))
         if reference is not None:
@@ -537,6 +555,22 @@ def _quantized(folder: Path) -> bool:
     from metainfer.models.checkpoint import read_config
 
     return bool(read_config(folder).get("quantization_config"))
+
+
+def checkpoint_dtype(spec: str) -> torch.dtype:
+    """The dtype a model `load_model` names was saved in: its config's `dtype` (or the older
+    `torch_dtype`) for a config.json or folder; float32 for a benchmark name or a config without
+    one. ValueError for a dtype that is not a floating torch dtype."""
+    if spec in MODELS:
+        return torch.float32
+    from metainfer.hardware.shapes import read_config_json
+
+    _path, cfg = read_config_json(spec)
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{spec}: the config's dtype {name!r} is not a floating-point torch dtype")
+    return dtype
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):

@@ -32,7 +32,7 @@ def _measured():
         collectives={"all_reduce 2": {"alpha_us": 120.0, "beta_gbs": 1.2, "points_us": {}},
                      "all_reduce 4": {"alpha_us": 700.0, "beta_gbs": 1.0, "points_us": {}},
                      "reduce_scatter 2": {"alpha_us": 250.0, "beta_gbs": 0.7, "points_us": {}}},
-        comm_overlap={"2": 0.25, "4": 0.0}, memory_overlap=0.0)
+        comm_overlap={"2": 0.25, "4": 0.0}, memory_overlap=0.0, stream_gbs_beyond_cache=9.1)
 
 
 def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
@@ -41,7 +41,7 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     t = targets.load(path)
     assert t.name == "cpu-calibrated" and t.num_devices == 1
     assert t.device.peak_flops["fp32"] == pytest.approx(400e9) and t.device.peak_flops["bf16"] == pytest.approx(2.8e12)
-    assert t.device.memory_bandwidth == pytest.approx(30e9)
+    assert t.device.memory_bandwidth == pytest.approx(30e9) and t.device.stream_bandwidth == pytest.approx(9.1e9)
     assert t.device.launch_overhead_s == pytest.approx(1.1e-6)
     assert t.device.memory_overlap == 0.0 and t.device.cache_bytes == 0  # no cache level in this sweep
     assert t.device.custom_op_overhead_s == pytest.approx(25e-6)  # the pointwise ops' median
@@ -54,6 +54,38 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     # the reduce-scatter's own fit (gloo's is no cheaper than its all-reduce), the same ranks
     assert t.collective_links["reduce_scatter"].bandwidth == pytest.approx(0.7e9)
     assert t.collective_links["reduce_scatter"].latency_s == pytest.approx(250e-6) and "all_gather" not in t.collective_links
+
+
+def test_matmuls_stream_at_the_rate_measured_beyond_the_cache_level():
+    """Issue 51, item 4: a copy's bandwidth overstated how fast matmuls read weights from memory
+    (decode matmuls streamed 8-10 GB/s where a copy moved 34.5). The rate beyond the cache is
+    the median of the sweep's sets past the level (by hand), and a matmul's memory time uses it
+    while element-wise work keeps the copy's rate."""
+    import dataclasses
+
+    import torch
+
+    from metainfer.testing import capture_graph
+
+    sweep = {8: 15.0, 16: 8.7, 32: 9.6, 64: 9.1, 512: 8.3}  # this VM's sweep, 2026-12-06 (four of its sets)
+    assert calibrate.streaming_beyond(sweep, 8.0) == pytest.approx(8.9)  # median of 8.7, 9.6, 9.1, 8.3
+    assert calibrate.streaming_beyond(sweep, 0.0) == pytest.approx(9.1)  # no level: every set
+    t = targets.get("cpu")
+    dev = dataclasses.replace(t.device, memory_bandwidth=34.5e9, stream_bandwidth=9.0e9, cache_bytes=8 * 2**20,
+                              cache_bandwidth=15e9, memory_overlap=1.0, launch_overhead_s=0.0)
+    assert dev.bandwidth(64 * 2**20, stream=True) == 9.0e9 and dev.bandwidth(64 * 2**20) == 34.5e9
+    assert dev.bandwidth(4 * 2**20, stream=True) == 15e9  # in the cache: the level's matmul rate
+    assert dev.bandwidth(4 * 2**20) == 34.5e9  # element-wise work is never slower in a cache than beyond it
+    t = dataclasses.replace(t, device=dev)
+    # a decode matmul: 2 x 512 @ 512 x 4096 (8 MiB of weights) plus a pointwise op on a 32 MiB tensor
+    gm, _ = capture_graph(lambda x, w, big: (x @ w, big * 2.0), torch.randn(2, 512), torch.randn(512, 4096),
+                          torch.randn(8 << 20))
+    prices = cost.price_graph(gm.graph, t)
+    mm = next(c for n, c in prices.items() if n.target is torch.ops.aten.mm.default)
+    moved = (2 * 512 + 512 * 4096 + 2 * 4096) * 4
+    assert mm.bytes == pytest.approx(moved) and mm.seconds == pytest.approx(moved / 9.0e9)
+    mul = next(c for n, c in prices.items() if n.target is torch.ops.aten.mul.Tensor)
+    assert mul.seconds == pytest.approx(2 * (8 << 20) * 4 / 34.5e9)
 
 
 def test_the_cache_level_from_a_streaming_sweep_by_hand():
@@ -247,3 +279,74 @@ def test_a_bad_machine_table_is_named():
         targets.from_dict(__import__("tomllib").loads(text), "bad")
     problems = " ".join(e.value.problems)
     assert all(k in problems for k in ("machine.cpu", "machine.cores", "machine.flags", "machine.ram"))
+
+
+def test_the_builtin_cpu_target_names_its_machine_and_notes_a_different_one(monkeypatch):
+    """Issue 51: the built-in cpu figures describe the machine they came from; on another
+    machine optimize() notes what differs (no warning: few users have that machine)."""
+    import warnings
+
+    import torch
+
+    import metainfer
+    from metainfer.hardware import machine
+
+    recorded = targets.get("cpu").machine
+    assert recorded.cpu == "AMD EPYC" and recorded.cores == 2 and "avx512_bf16" not in recorded.flags
+    other = machine.Machine(cpu="Intel Xeon", flags=("avx2", "avx512f", "avx512_bf16", "amx_tile"), cores=8)
+    monkeypatch.setattr(machine, "current", lambda gpu=False: other)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", machine.MachineChanged)
+        opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    note = next(n for n in opt.report.notes if "measured on another machine" in n)
+    assert "CPU 'AMD EPYC' -> 'Intel Xeon'" in note and "with amx_tile, avx512_bf16, avx512f" in note
+    assert "2 -> 8 cores" in note
+    monkeypatch.setattr(machine, "current", lambda gpu=False: recorded)
+    opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+    assert not any("another machine" in n for n in opt.report.notes)
+
+
+def test_a_cpu_computes_half_precision_in_fp32_where_its_gemms_measure_slow(monkeypatch):
+    """Issue 51: bf16 on a CPU without native bf16 runs in fp32 (the 45x of the issue's EPYC,
+    simulated by the GEMM rates); where bf16 is as fast, or fp32 is asked for, nothing changes."""
+    import torch
+
+    from metainfer.hardware import machine
+
+    rates = {torch.float32: 59.0, torch.bfloat16: 1.3}
+    monkeypatch.setattr(machine, "gemm_gflops", lambda dtype, size=256, repeat=3: rates[dtype])
+    monkeypatch.setattr(machine, "current", lambda gpu=False: machine.Machine("AMD EPYC", ("avx2",), 2))
+    dtype, why = machine.cpu_compute_dtype(torch.bfloat16)
+    assert dtype == torch.float32
+    assert "1.3 GFLOP/s" in why and "59.0" in why and "(45x slower" in why and "lacks avx512_bf16, amx_bf16" in why
+    assert "--dtype bfloat16" in why
+    rates[torch.bfloat16] = 150.0  # native bf16: at least half fp32's rate
+    assert machine.cpu_compute_dtype(torch.bfloat16) == (torch.bfloat16, None)
+    assert machine.cpu_compute_dtype(torch.float32) == (torch.float32, None)
+
+
+def test_serve_dtype_auto_is_the_checkpoints_and_an_explicit_one_is_kept(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    import torch
+
+    from metainfer import cli, servebench
+    from metainfer.hardware import machine
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    assert servebench.checkpoint_dtype(str(config)) == torch.bfloat16
+    config.write_text(json.dumps({"model_type": "llama", "torch_dtype": "float16"}))
+    assert servebench.checkpoint_dtype(str(tmp_path)) == torch.float16
+    assert servebench.checkpoint_dtype("hf-llama-tiny") == torch.float32
+    config.write_text(json.dumps({"model_type": "llama", "dtype": "int8"}))
+    with pytest.raises(ValueError, match="'int8' is not a floating-point"):
+        servebench.checkpoint_dtype(str(config))
+    config.write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    monkeypatch.setattr(machine, "cpu_compute_dtype", lambda d: (torch.float32, "slow here"))
+    args = lambda dtype: argparse.Namespace(dtype=dtype, model=str(config))  # noqa: E731
+    assert cli._serve_dtype(args("auto"), "cpu") == (torch.float32, "slow here")
+    assert cli._serve_dtype(args("auto"), "cuda") == (torch.bfloat16, None)
+    assert cli._serve_dtype(args("bf16"), "cpu") == (torch.bfloat16, None)

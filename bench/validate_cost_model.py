@@ -272,11 +272,13 @@ def main(argv=None) -> int:
                     help="gloo job sizes for the multi-rank steps (none: skip them; decisions at the first)")
     ap.add_argument("--band", type=float, default=noise.BAND,
                     help=f"the yardstick's band around its run median (default {noise.BAND})")
+    ap.add_argument("--tries", type=int, default=2, help="runs of a case while the machine swings outside the band "
+                    "before it is reported unstable (default 2: a case compiles and runs for 10-60 s)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     import validate_ranks
 
-    guard = noise.Yardstick(band=a.band)
+    guard = noise.Yardstick(band=a.band, tries=a.tries)
     validate_ranks.GUARD[:] = [guard]  # one guard over the whole run: one swing figure
     if a.target:
         target, source = targets.get(a.target), a.target
@@ -311,7 +313,8 @@ def main(argv=None) -> int:
     print(decision_table(chosen))
     print(guard.line())
     if a.json:
-        print(json.dumps({"graphs": rows, "decisions": chosen, "unstable": guard.unstable}, indent=1))
+        print(json.dumps({"graphs": rows, "decisions": chosen, "unstable": guard.unstable,
+                          "yardstick_timeline": guard.timeline()}, indent=1))
     print(json.dumps(summarise(rows, chosen, guard)))
     return 0
 

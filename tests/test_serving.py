@@ -272,6 +272,34 @@ def test_benchmark_harness_compares_variants_on_a_workload(tmp_path):
         servebench.Workload.load(path)
 
 
+def test_the_benchmark_leaves_out_rounds_the_machine_swung_through():
+    """Issue 51: with a noise guard, a measured round whose yardstick readings left the band is
+    served again, and kept out of the row's median when it never held still (scripted readings:
+    round 1's every try reads 50% slow; round 2 is steady)."""
+    from metainfer import servebench
+    from metainfer.hardware import noise
+
+    class Scripted(noise.Yardstick):
+        def __init__(self, readings):
+            super().__init__(warm=0, tries=2)
+            self._script = [(r, r) for r in readings]
+            self._job = object()
+
+        def _read(self):
+            return self._script.pop(0)
+
+    guard = Scripted([1.0] * 3)
+    guard.readings += [guard._read() for _ in range(3)]
+    guard._script = [(r, r) for r in (1.0, 1.5, 1.0, 1.5, 1.0, 1.0)]  # round 1: two tries, both swung; round 2: still
+    w = servebench.Workload.synthetic(2, prompt=(4, 8), output=2, seed=3)
+    rows = servebench.run(servebench.build_model("hf-llama-tiny"), w, variants=("cb",), progress=False, rounds=3,
+                          cb_config=dict(num_blocks=8, page_size=16, max_batch_tokens=64), guard=guard)
+    row = rows[0]
+    assert row.unstable_rounds == 1 and len(row.rounds) == 1 and guard.summary()["rows_remeasured"] == 1
+    assert "1 measured round(s) left out: the machine swung outside the noise band" in row.notes
+    assert guard.unstable == ["cb round 1"] and not guard._script
+
+
 def test_every_way_in_checks_the_request_first():
     """add_request and add_requests refuse a request that cannot be served before anything is
     queued (the engine's own add_requests would fail every request in flight on one bad id);

@@ -51,6 +51,7 @@ class Yardstick:
     rows: int = 0  # rows judged
     remeasured: int = 0  # rows that needed more than one measurement
     unstable: list[str] = field(default_factory=list)  # labels of rows that never held still
+    at: list[float] = field(default_factory=list)  # seconds since the first reading, per reading
 
     def __post_init__(self):
         if not 0 < self.band < 1:
@@ -58,6 +59,7 @@ class Yardstick:
         if self.tries < 1:
             raise ValueError(f"tries must be at least 1, got {self.tries}")
         self._job = None
+        self._t0 = None
 
     def _build(self):
         import torch
@@ -73,8 +75,10 @@ class Yardstick:
             self._build()
             for _ in range(self.warm):
                 self.readings.append(self._read())
+        self._t0 = self._t0 if self._t0 is not None else time.perf_counter()
         reading = self._read()
         self.readings.append(reading)
+        self.at.append(time.perf_counter() - self._t0)
         return reading
 
     def _read(self) -> tuple[float, float]:
@@ -131,6 +135,12 @@ class Yardstick:
 
     def line(self) -> str:
         return swing_words(self.summary())
+
+    def timeline(self) -> list[tuple[float, float, float]]:
+        """(seconds since the first row's readings began, GEMM ms, copy ms) of each reading taken
+        around a row (the warm readings are left out)."""
+        rows = self.readings[len(self.readings) - len(self.at):]
+        return [(round(t, 1), round(g * 1e3, 3), round(c * 1e3, 3)) for t, (g, c) in zip(self.at, rows)]
 
 
 def swing_words(s: dict) -> str:

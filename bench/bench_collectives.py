@@ -33,11 +33,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from metainfer.hardware import cost, noise, targets  # noqa: E402
+from metainfer.hardware import cost, noise, targets
 
 SHAPES = {"llama3-70b": 8192, "deepseek-v3": 7168}
 PHASES = {"prefill": 4 * 4096, "decode": 64}

@@ -29,7 +29,6 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import deepseek_forms as forms  # noqa: E402  (bench/ is the script's directory)
 from _memory import PeakRSS  # noqa: E402

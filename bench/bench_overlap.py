@@ -40,24 +40,21 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 import statistics
 import sys
 import time
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
+import torch.fx.experimental._config  # noqa: F401  (meta_nonzero_assume_all_nonzero)
 
-import torch  # noqa: E402
-import torch.fx.experimental._config  # noqa: E402,F401  (meta_nonzero_assume_all_nonzero)
-
-from metainfer.parallel import distributed  # noqa: E402
+from metainfer.parallel import distributed
 from metainfer import models
 from metainfer.hardware import targets
-from metainfer.passes import PassManager, get_pass  # noqa: E402
-from metainfer.passes.pipeline import DEFAULT_ORDER  # noqa: E402
-from metainfer.hardware.simulate import simulate  # noqa: E402
-from metainfer.testing import capture_graph  # noqa: E402
+from metainfer.passes import PassManager, get_pass
+from metainfer.passes.pipeline import DEFAULT_ORDER
+from metainfer.hardware.simulate import simulate
+from metainfer.testing import capture_graph
 
 KERNELS = ["fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "fuse_rope",
            "fuse_rmsnorm", "fuse_swiglu"]

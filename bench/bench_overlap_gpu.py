@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-from _cuda_timing import timed  # noqa: E402  (bench/ is on sys.path as the script's folder)
+import torch.distributed as dist
+from _cuda_timing import timed  # (bench/ is on sys.path as the script's folder)
 
 OVERLAP = ("overlap_collectives", "pipeline_collectives", "two_batch_overlap")
 

@@ -21,12 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from metainfer.hardware import planner, targets  # noqa: E402
+from metainfer.hardware import planner, targets
 
 MODELS = ("llama3-70b", "deepseek-v3")
 TARGETS = ("pcie8", "nvlink8")

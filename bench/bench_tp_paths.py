@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 CONFIG = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=2,
               vocab_size=32000, max_position_embeddings=2048)

@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from _cuda_timing import timed  # noqa: E402  (bench/ is on sys.path as the script's folder)
+from _cuda_timing import timed  # (bench/ is on sys.path as the script's folder)
 
 
 def gemm_tflops(dtype_name: str, n: int = 8192) -> float | None:

@@ -814,7 +814,6 @@ def main(argv=None) -> int:
     print(f"{len(rows)} checks, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")
     calibration = None
     if not a.dry_run and not a.no_calibration and not a.quick:
-        sys.path.insert(0, os.path.dirname(__file__))
         import calibrate_gpu
 
         calibration = {"bf16_gemm_tflops": calibrate_gpu.gemm_tflops("bf16"), "copy_gbs": calibrate_gpu.memory_gbs(),

@@ -31,7 +31,6 @@ import sys
 import time
 
 os.environ.setdefault("METAINFER_TRITON_INTERPRET", "1")  # launch paths on CPU tensors
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 

@@ -254,5 +254,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.path.insert(0, os.path.dirname(__file__))
     sys.exit(main())

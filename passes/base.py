@@ -147,6 +147,8 @@ class MatchPass(Pass):
         res = PassResult(modified=False)
         state = self.start(graph, ctx)
         for node in list(graph.nodes):
+            if node._erased:  # an earlier rewrite replaced it (a site can span nodes later in the order)
+                continue
             try:
                 site = self.match(node, state)
                 why = None if site is None else self.refuse(node, site, state)

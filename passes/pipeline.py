@@ -16,6 +16,8 @@ from .base import Pass, get_pass, pass_names
 DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "int4_gemm",
                  "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu", "sequence_parallel", "two_batch_overlap",
                  "pipeline_collectives", "select_collectives", "overlap_collectives")
+# registered passes that run only when named (passes=[...]); each with the reason it is not default
+OPT_IN: dict[str, str] = {}
 
 
 def default_pipeline(target: Target) -> list[str]:

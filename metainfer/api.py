@@ -574,7 +574,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
     t, arch_note = target_for_device(t, _gpu_capability(model))
-    machine_note = _machine_changed(t, builtin=isinstance(target, str) and target in _targets.names())
+    machine_note = _machine_changed(t, builtin=_targets.is_builtin(t))
     if t.device.kind == "cuda":
         from metainfer.lowering import compile_cache
 

@@ -285,6 +285,7 @@ def test_a_bad_machine_table_is_named():
 def test_the_builtin_cpu_target_names_its_machine_and_notes_a_different_one(monkeypatch):
     """Issue 51: the built-in cpu figures describe the machine they came from; on another
     machine optimize() notes what differs (no warning: few users have that machine)."""
+    import dataclasses
     import warnings
 
     import torch
@@ -300,6 +301,8 @@ def test_the_builtin_cpu_target_names_its_machine_and_notes_a_different_one(monk
     with warnings.catch_warnings():
         warnings.simplefilter("error", machine.MachineChanged)
         opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
+        # a variant derived from it (another memory size, a rank's share) keeps its source: a note too
+        metainfer.optimize(model, dataclasses.replace(targets.get("cpu"), name="cpu-variant"), lowering="aot_eager")
     note = next(n for n in opt.report.notes if "measured on another machine" in n)
     assert "CPU 'AMD EPYC' -> 'Intel Xeon'" in note and "with amx_tile, avx512_bf16, avx512f" in note
     assert "2 -> 8 cores" in note

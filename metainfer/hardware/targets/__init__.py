@@ -192,6 +192,17 @@ def names() -> list[str]:
     return sorted(p.stem for p in _BUILTIN_DIR.glob("*.toml"))
 
 
+def is_builtin(target: Target) -> bool:
+    """Whether `target` was read from one of the built-in TOMLs (or derived from one, as the
+    per-rank and per-device variants are: they keep its source)."""
+    from pathlib import Path
+
+    try:
+        return Path(target.source).resolve().parent == _BUILTIN_DIR.resolve()
+    except (TypeError, ValueError, OSError):
+        return False
+
+
 def builtins() -> dict[str, Target]:
     """Every built-in target, by name (what `metainfer targets` lists)."""
     return {name: load(_BUILTIN_DIR / f"{name}.toml") for name in names()}

@@ -598,9 +598,10 @@ class Manager:
                   if hints and hints.num_requests else None)
         cfg, self.capacity = _engine_config(opt, continuous_batching_config, tokens)
         _note(opt, f"serving capacity: {self.capacity.why}")
-        self._attention = attention(opt)
-        self._paged = self._attention.__enter__()  # before the engine starts: it keeps this attention
-        self._forwards = None
+        # what the manager holds from here to stop(): metainfer's attention, entered before the
+        # engine starts (it keeps the attention it finds); start() adds the forwards on `_running`
+        self._held, self._running = contextlib.ExitStack(), contextlib.ExitStack()
+        self._paged = self._held.enter_context(attention(opt))
         self._admitted = 0  # prompt tokens
         try:
             self._manager = opt.model.init_continuous_batching(generation_config=generation_config,
@@ -608,7 +609,7 @@ class Manager:
             _engine_kv_heads(opt, self._manager.distributed_helper)
             self.exchange = step_exchange.install(self._manager, exchange)
         except BaseException:
-            self._attention.__exit__(None, None, None)
+            self._held.close()
             raise
         if self.exchange is not None:
             _note(opt, _exchange_note(self.exchange))
@@ -622,12 +623,11 @@ class Manager:
             self._speculate(*speculation)
 
     def start(self) -> None:
-        self._forwards = forwards(self._opt, self._paged)
-        self.steps = self._forwards.__enter__()
+        self.steps = self._running.enter_context(forwards(self._opt, self._paged))
         try:
             self._manager.start()
         except BaseException:
-            self._close()
+            self._running.close()
             raise
 
     def stop(self, *args, **kwargs) -> None:
@@ -636,8 +636,8 @@ class Manager:
             self._manager.stop(*args, **kwargs)
         finally:
             steps = getattr(self, "steps", None)
-            self._close()
-            self._attention.__exit__(None, None, None)
+            self._running.close()  # the forwards first, then the attention they ran on
+            self._held.close()
             if self.exchange is not None and not self._manager.is_running():
                 self.exchange.close()
             if self.speculation is not None:
@@ -646,11 +646,6 @@ class Manager:
                 _note(self._opt, f"serving run: {steps.steps} steps, {steps.tokens} query tokens computed for "
                                  f"{self._admitted} prompt tokens admitted (streaming)")
                 _note(self._opt, self._opt._serve_compile.note())
-
-    def _close(self) -> None:
-        if self._forwards is not None:
-            f, self._forwards = self._forwards, None
-            f.__exit__(None, None, None)
 
     def _problem(self, input_ids, max_new_tokens) -> str | None:
         max_new = self._manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens

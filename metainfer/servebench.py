@@ -322,7 +322,7 @@ TUNED_BATCH_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 
 def workload_blocks(workload: Workload, page_size: int = 256) -> int:
     """KV blocks that hold every request of the workload whole at once, plus a spare."""
-    from metainfer.runtime.serving import blocks_to_hold
+    from metainfer.runtime.capacity import blocks_to_hold
 
     return blocks_to_hold([r.prompt_tokens + workload.prefix_tokens * (r.prefix_group is not None) + r.output_tokens
                            for r in workload.requests], page_size)

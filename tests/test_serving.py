@@ -7,7 +7,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer.runtime import serving
+from metainfer.runtime import capacity, serving
 from metainfer.testing import tiny_hf_model
 
 DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -141,7 +141,7 @@ def test_capacity_comes_from_the_target_the_machine_and_the_workload():
     model = tiny_hf_model("Llama", layers=1)
     opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
     reqs = prompts((10, 40, 25))
-    cap = serving.choose_capacity(opt, [len(r) + 20 for r in reqs], page_size=16, max_batch_tokens=256)
+    cap = capacity.choose_capacity(opt, [len(r) + 20 for r in reqs], page_size=16, max_batch_tokens=256)
     # every request whole at once: ceil(30/16) + ceil(60/16) + ceil(45/16) = 2 + 4 + 3, plus one spare
     assert cap.num_blocks == 10 and "what the 3 requests can hold at once" in cap.why
     # unknown workload, by hand: 1 layer x (K + V) x 2 kv heads x head_dim 16 x float32 = 256 B a token in
@@ -150,12 +150,12 @@ def test_capacity_comes_from_the_target_the_machine_and_the_workload():
     # intermediate) = 917,504 B, plus the engine's 1024 logits rows x (64 hidden x 4 B + 128 vocab x 4 B)
     kv_block = (256 + 256) * 16
     activations = 256 * 4 * (4 * 64 + 2 * 4 * 32 + 3 * 128) + 1024 * (64 * 4 + 128 * 4)
-    machine = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(64 * 2**20, "test"))
+    machine = capacity.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(64 * 2**20, "test"))
     assert machine.num_blocks == (64 * 2**20 // 2 - activations) // kv_block == 3888
     assert "the machine's available memory (0.1 GiB, test; 50% of it)" in machine.why
     # a machine with more memory than the target claims: the target's figure after the weights
     weights = sum(p.numel() * 4 for p in model.parameters())
-    target = serving.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(2**50, "test"))
+    target = capacity.choose_capacity(opt, None, page_size=16, max_batch_tokens=256, available=(2**50, "test"))
     usable = opt.target.device.memory_bytes * 0.9
     assert target.num_blocks == int((usable - weights - activations) // kv_block)
     assert target.why.split(": ", 1)[1].startswith("target cpu's memory (24 GiB x 90%)")
@@ -172,7 +172,7 @@ def test_a_target_claiming_more_memory_than_the_machine_has_gets_a_pool_that_fit
     cpu = metainfer.hardware.targets.get("cpu")
     huge = dataclasses.replace(cpu, name="cpu-64tib", device=dataclasses.replace(cpu.device, memory_bytes=2.0**46))
     opt = metainfer.optimize(model, huge, lowering="aot_eager")
-    cap = serving.choose_capacity(opt, None, page_size=256, max_batch_tokens=8192)
+    cap = capacity.choose_capacity(opt, None, page_size=256, max_batch_tokens=8192)
     with open("/proc/meminfo") as f:  # read after: the pool must fit what is available now
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     assert cap.num_blocks * 256 * (256 + 256) <= available, cap.why  # the pool and what a step reads back of it

@@ -33,11 +33,11 @@ def resolve_target(target: "str | os.PathLike | _targets.Target") -> _targets.Ta
     return _targets.get(target)
 
 
-def _machine_changed(t: _targets.Target, builtin: bool = False) -> str | None:
+def _machine_changed(t: _targets.Target) -> str | None:
     """A target whose figures were measured on another machine ([machine] differs from this
     one): words naming what changed, for the report's notes. A calibrated target (the user's
-    file) also warns; a built-in one only notes it (its figures describe the machine they came
-    from, which few users have)."""
+    file) also warns; a built-in one, or one derived from it, only notes it (its figures
+    describe the machine they came from, which few users have)."""
     if t.machine is None:
         return None
     import warnings
@@ -47,7 +47,7 @@ def _machine_changed(t: _targets.Target, builtin: bool = False) -> str | None:
     changed = machine.differences(t.machine, machine.current(gpu=t.device.kind == "cuda"))
     if not changed:
         return None
-    if builtin:
+    if _targets.is_builtin(t):
         return (f"target {t.name!r}'s figures were measured on another machine ({'; '.join(changed)}); "
                 "`metainfer calibrate` measures this one")
     message = (f"target {t.name!r} was calibrated on another machine ({'; '.join(changed)}): its figures describe "
@@ -574,7 +574,7 @@ def optimize(model: torch.nn.Module, target="cpu", *, example_inputs=None, passe
     t, dist_notes = distributed.prepare(model, resolve_target(target), emulate=emulate, expert_parallel_on=expert_parallel,
                                          tensor_parallel=tensor_parallel)
     t, arch_note = target_for_device(t, _gpu_capability(model))
-    machine_note = _machine_changed(t, builtin=_targets.is_builtin(t))
+    machine_note = _machine_changed(t)
     if t.device.kind == "cuda":
         from metainfer.lowering import compile_cache
 

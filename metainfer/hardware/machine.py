@@ -1,7 +1,9 @@
 """What machine a measurement was made on: the facts that change how kernels run (the CPU model,
 the ISA extensions torch's CPU kernels branch on, the cores; on a GPU its name, SM and driver).
 A calibrated target records them (`[machine]`), and optimize() warns when it is used on a
-machine that differs, naming what changed (its figures describe another machine)."""
+machine that differs, naming what changed (its figures describe another machine); a built-in
+target carries the machine its figures came from, and on another one only notes it. Also: the
+dtype a CPU should compute a half-precision model in, from its GEMM rates measured now."""
 
 from __future__ import annotations
 

@@ -99,9 +99,6 @@ class Yardstick:
         """How far a reading is from the run medians, as a fraction: its worse part's."""
         return max(abs(r / m - 1) for r, m in zip(reading, self.median()))
 
-    def within(self, reading: tuple[float, float]) -> bool:
-        return self.off_by(reading) <= self.band
-
     def measure(self, fn: Callable[[], Any], label: str = "") -> Row:
         """fn() between two readings, again while either is outside the band (at most `tries`
         times); the kept value is the one whose readings sat closest to the medians."""

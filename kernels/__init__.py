@@ -61,6 +61,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cpu and interpret_enabled()
 
 
-__all__ = ["attention", "fp8_gemm", "mla_decode", "moe", "paged_attention", "rmsnorm", "rope", "sparse_attention", "glu", "token_ids",
-           "KernelInputError", "INTERPRETED",
-           "interpret", "interpret_enabled", "use_triton"]
+_KERNEL_FILES = (attention, fp8_gemm, int4_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, sparse_attention, glu,
+                 token_ids)  # each declares its kernel and its ops (kernels/spec.py)
+__all__ = [m.__name__.rpartition(".")[2] for m in _KERNEL_FILES] + [
+    "KernelInputError", "INTERPRETED", "interpret", "interpret_enabled", "use_triton"]

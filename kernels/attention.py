@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._flash import (SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, soft_cap, softmax_step)
 from ._common import (softmax_rows, FLOAT_DTYPES, GRID_YZ_MAX, TUNED_KEYS, GuardedPlans, autotuned, broadcasts_to, cdiv, check, check_grid,
                       check_qkv, fail, next_pow2, retries_smaller, SplitRule, tune_candidates)
@@ -423,3 +423,107 @@ def _grouped_mask(mask, Hkv, G):
     """A mask broadcastable to (B, Hq, Sq, Sk) as a view broadcastable to (B, Hkv, G, Sq, Sk)."""
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
     return m.unflatten(1, (Hkv, G)) if m.shape[1] != 1 else m.unsqueeze(2)
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _flops(args, outs):
+    q, k, v, causal = args[0], args[1], args[2], args[5]
+    B, H, Sq, D = (spec.size_hint(s) for s in q.shape)
+    keys = spec.size_hint(k.shape[2])
+    fraction = 0.5 if causal and Sq > 1 else 1.0  # causal: about half the matrix
+    window = int(spec.size_hint(softcap_window(args)[1]))
+    if 0 < window < keys:  # a sliding window: about `window` keys per query
+        keys, fraction = window, 1.0
+    return 2 * B * H * Sq * keys * (D + spec.size_hint(v.shape[-1])) * fraction, spec.peak_key(q.dtype)
+
+
+def _cpu_work(args, kwargs):
+    """None where the CPU path is torch's fused SDPA kernel; else (FLOPs, extra bytes) of the
+    chunked path, which computes every score (no causal skip; with a window only its chunk's
+    window) into an fp32 matrix that several eager ops read and write."""
+    q, k, v, mask = args[:4]
+    causal, offset = args[5], args[6]
+    offset = offset if isinstance(offset, int) else 1  # symbolic: not known to be 0 (and no guard)
+    softcap, window = softcap_window(args, kwargs)
+    window = int(spec.size_hint(window))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not isinstance(causal, bool):
+        return None
+    mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else None
+    if cpu_fused_path(q.shape[-1], v.shape[-1], mask_dtype, q.dtype, causal, offset, softcap, window):
+        return None
+    B, H, Sq, D = (spec.size_hint(s) for s in q.shape)
+    Sk, Dv = spec.size_hint(k.shape[2]), spec.size_hint(v.shape[-1])
+    scores = B * H * Sq * chunked_keys_per_row(B, H, Sq, Sk, window)
+    return 2 * scores * (D + Dv), chunked_score_passes(mask_dtype is not None, causal, bool(softcap)) * scores * 4
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    g, randn = spec.aot_inputs()
+
+    def attn(d, dtype, causal, mask, softcap=0.0, window=0):
+        def call(arch):
+            q, k, v = randn(1, 8, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype)
+            m = (randn(1, 1, 64, 64, dtype=dtype) if mask == "additive"
+                 else torch.rand(1, 1, 64, 64, generator=g) > 0.2 if mask == "bool" else None)
+            cfg = config_for_arch(NAME, arch, head_dim=d, dtype=dtype)
+            launch(q, k, v, m, d ** -0.5, causal, 0, softcap=softcap, window=window, config=cfg)
+        return call
+
+    def decode(d):
+        def call(arch):  # batch 1: 8 (batch x head) programs, far below any GPU's SMs
+            q, k, v = randn(1, 8, 1, d), randn(1, 2, 4096, d), randn(1, 2, 4096, d)
+            launch(q, k, v, None, d ** -0.5, True, 4095, config=config_for_arch(NAME, arch, head_dim=d, dtype=bf16))
+        return call
+
+    return [
+        ("bf16 d64 causal", attn(64, bf16, True, False)),
+        ("bf16 d128 causal", attn(128, bf16, True, False)),
+        ("bf16 d128 additive mask", attn(128, bf16, False, "additive")),
+        ("bf16 d128 bool mask", attn(128, bf16, False, "bool")),
+        ("bf16 d256 softcap 50, window 32", attn(256, bf16, True, None, softcap=50.0, window=32)),
+        ("fp32 d64 causal", attn(64, f32, True, None)),
+        ("fp32 d128 causal", attn(128, f32, True, None)),
+        ("fp32 d192 causal", attn(192, f32, True, None)),
+        ("fp32 d256 causal", attn(256, f32, True, None)),
+        ("bf16 d256 causal", attn(256, bf16, True, None)),
+        ("bf16 d128 decode, key splits", decode(128)),
+    ]
+
+
+def _aot_autotune_cases():
+    """Every AUTOTUNE alternative of each head-dim row, prefill- and decode-sized (256 query
+    rows: no candidate's 128-row tile is clamped); float32 heads take the rows of bf16 heads
+    twice as wide."""
+    from .configs import config_for_arch
+
+    _, randn = spec.aot_inputs()
+
+    def attn(d, sq, sk, dtype=torch.bfloat16):
+        def call(arch):
+            row = config_for_arch(NAME, arch, head_dim=d, dtype=dtype)
+            q, k, v = randn(1, 8, sq, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype)
+            for alt in ({}, *row.get("AUTOTUNE", ())):
+                launch(q, k, v, None, d ** -0.5, True, sk - sq, config={**row, **alt})
+        return call
+
+    cases = []
+    for d in (64, 128, 256):
+        cases.append((f"autotune d{d} prefill", attn(d, 256, 256)))
+        cases.append((f"autotune d{d} decode", attn(d, 1, 4096)))
+    for d in (64, 128, 256):
+        cases.append((f"autotune fp32 d{d} prefill", attn(d, 256, 256, torch.float32)))
+    return cases
+
+
+def _example():
+    return (torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 8), None, 0.25, True, 2, False)
+
+
+# rows per architecture and head width: configs.py's attention table
+KERNEL = spec.KernelSpec(NAME, configs=None, splits=True, aot_cases=_aot_cases, aot_autotune_cases=_aot_autotune_cases)
+OPS = (spec.OpSpec("attention", spec.ATTENTION, _flops, spec.batch_first(0, 1, 2, mask=3), _example, KERNEL,
+                   cpu_work=_cpu_work),)

@@ -1,6 +1,8 @@
 """Block sizes and launch settings for each kernel, per target architecture.
 
-Kernels take their config as an argument; this table is where it comes from. A target
+Kernels take their config as an argument; it comes from here: attention's rows per architecture
+and head width are the table below, every other kernel's rows (one per device class) are its
+file's DEFAULT_CONFIGS, found through its declaration (kernels/spec.py, `KernelSpec`). A target
 selects a row by its `device.arch` (e.g. "sm_89" for the L40S of pcie8) and can override
 any entry in its TOML under `[kernels.<kernel name>]`. CPU tensors running through Triton's
 interpreter use the "interpreter" row: small blocks, so tests reach partial blocks cheaply.
@@ -21,14 +23,13 @@ SMALL_M are dropped unless the target gives its own.
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from metainfer.kernels import _common
+from metainfer.kernels import _common, spec
 from metainfer.kernels._common import TUNED_KEYS
 
 # Attention rows are keyed by the largest head dim they serve at 2 bytes an element (registers
@@ -79,29 +80,36 @@ _ATTENTION = {
 }
 _ATTENTION["cuda"] = _ATTENTION["sm_89"]  # a GPU with no arch given: the conservative row
 
-_POINTWISE = {
-    "interpreter": {"glu": dict(BLOCK_R=8, BLOCK_N=32), "rope": dict(BLOCK_R=8),
-                    "rmsnorm": dict(elems_per_warp=256, max_warps=1), "token_ids": dict(BLOCK=16),
-                    "paged_attention": dict(BLOCK_M=16, BLOCK_N=16)},
-    "cuda": {"glu": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=4), "rope": dict(BLOCK_R=16, num_warps=4),
-             "rmsnorm": dict(elems_per_warp=256, max_warps=16), "token_ids": dict(BLOCK=1024, num_warps=4),
-             # rows are (token, query head of the group) pairs; decode splits keys 512 at a time
-             "paged_attention": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, KEYS_PER_SPLIT=512,
-                                     MAX_SPLITS=8)},
-}
 
-# Kernels with one row per device class, from each kernel file's DEFAULT_CONFIGS.
-_TILED = {name: importlib.import_module(f"metainfer.kernels.{name}").DEFAULT_CONFIGS
-          for name in ("fp8_gemm", "int4_gemm", "moe", "sparse_attention", "mla_decode")}
 
-KERNELS = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", *_TILED)
+class _KernelNames(Sequence):
+    """The kernels' names, read from their files' declarations (kernels/spec.py) when first used:
+    the kernel files import this module, so it cannot read them while it loads."""
+
+    def __getitem__(self, i):
+        return tuple(_kernels())[i]
+
+    def __len__(self) -> int:
+        return len(_kernels())
+
+    def __repr__(self) -> str:
+        return repr(tuple(_kernels()))
+
+
+@functools.cache
+def _kernels() -> dict[str, spec.KernelSpec]:
+    return {k.name: k for k in spec.kernel_specs()}
+
+
+# every kernel with a row here: its name is its file's (attention's rows are the table above,
+# the others' rows their file's DEFAULT_CONFIGS)
+KERNELS = _KernelNames()
 
 # Streaming multiprocessors of each row's GPU (NVIDIA's specifications: A100 108, L40S 142,
 # H100/H200 132): the kernels that split work over more programs aim at this many. A CUDA
 # device reports its own (config_for). The interpreter's row pretends to 4, so tests on tiny
 # shapes reach the split paths.
 _SM_COUNT = {"interpreter": 4, "sm_89": 142, "sm_90": 132, "cuda": 108}
-_SPLITTING = ("attention", "mla_decode", "fp8_gemm")
 
 # device type -> (arch, overrides) of the target metainfer last compiled for on it
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
@@ -168,11 +176,12 @@ def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.d
                     ) -> dict[str, Any]:
     """The table's row for `kernel` on `arch` ("interpreter", "sm_80", "sm_89", ...; an arch with
     no rows of its own gets the conservative CUDA row), without a target's overrides."""
-    if kernel not in KERNELS:
+    declared = _kernels().get(kernel)
+    if declared is None:
         raise KeyError(f"no kernel named {kernel!r}; known: {list(KERNELS)}")
     if arch != "interpreter" and arch not in _ATTENTION:
         arch = "cuda"
-    if kernel == "attention":
+    if declared.configs is None:  # attention: a row per head width
         rows = _ATTENTION[arch]
         width = head_dim * (dtype.itemsize if dtype is not None else 2) // 2
         # the GPU rows reach 512 (a float32 head of 256, attention's largest); the interpreter
@@ -181,10 +190,8 @@ def config_for_arch(kernel: str, arch: str, *, head_dim: int = 0, dtype: torch.d
         fp32 = cfg.pop("FP32", None)
         if fp32 is not None and dtype == torch.float32:
             cfg.update(fp32)
-    elif kernel in _TILED:
-        cfg = dict(_TILED[kernel]["interpreter" if arch == "interpreter" else "cuda"])
     else:
-        cfg = dict(_POINTWISE["interpreter" if arch == "interpreter" else "cuda"][kernel])
-    if kernel in _SPLITTING:
+        cfg = dict(declared.configs["interpreter" if arch == "interpreter" else "cuda"])
+    if declared.splits:
         cfg.setdefault("SM_COUNT", _SM_COUNT[arch])
     return cfg

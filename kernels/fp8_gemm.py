@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import (fail, cdiv, retries_smaller, GuardedPlans, signature, TUNED_KEYS, as_rows, rows_of, autotuned, check_float, gpu_capability, interpreted, next_pow2,
                       split_count, tune_candidates)
 
@@ -536,3 +536,66 @@ def cpu_forward(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bo
             yc = torch.addmm(bias[n0:n1].float(), a, wc.T)
         out[:, n0:n1] = yc  # each output element is whole here: rounded once
     return out.view(*x.shape[:-1], N)
+
+
+# ---- the declarations (kernels/spec.py) ---------------------------------------------------------
+
+def _linear_flops(args, outs):
+    x, w, act_quant = args[0], args[1], args[6]
+    return 2 * spec.numel(outs[0]) * spec.size_hint(w.shape[1]), "fp8" if act_quant else spec.peak_key(x.dtype)
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def gemm(m, act_quant, bias=False, k=1024, block_k=128, block_n=128):
+        def call(arch):
+            n = 512
+            launch(randn(m, k), randn(n, k, dtype=torch.float8_e4m3fn),
+                   torch.rand(-(-n // block_n), -(-k // block_k), generator=g), randn(n) if bias else None,
+                   block_n, block_k, act_quant, config=config_for_arch(NAME, arch))
+        return call
+
+    return [
+        ("decode m=4, bf16 activations, split-K", gemm(4, False)),
+        ("decode m=24, fp8 activations, split-K", gemm(24, True)),
+        ("prefill m=512, fp8 activations", gemm(512, True)),
+        ("prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
+        ("m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
+        ("m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
+        ("decode m=8, per-channel scales, split-K", gemm(8, False, block_n=1, block_k=1024)),
+        ("prefill m=512, per-channel scales, per-token fp8 activations", gemm(512, True, block_n=1, block_k=1024)),
+    ]
+
+
+def _aot_autotune_cases():
+    """Every AUTOTUNE alternative of each M row, as a fixed config."""
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def gemm(m):
+        def call(arch):
+            row, _ = _row_for_m(config_for_arch(NAME, arch), m)
+            x, w = randn(m, 1024), randn(512, 1024, dtype=torch.float8_e4m3fn)
+            for alt in ({}, *row.get("AUTOTUNE", ())):
+                launch(x, w, torch.rand(4, 8, generator=g), None, 128, 128, False, config={**row, **alt, "SMALL_M": ()})
+        return call
+
+    return [(f"autotune m={m}", gemm(m)) for m in (4, 24, 48, 512)]
+
+
+def _example():
+    w, scales = quantize_weight(torch.randn(40, 48), 16, 32)
+    return torch.randn(3, 5, 48), w, scales, torch.randn(40), 16, 32, False
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases, splits=True, aot_autotune_cases=_aot_autotune_cases)
+OPS = (
+    spec.OpSpec("fp8_linear", spec.GEMM, _linear_flops, spec.rows(0), _example, KERNEL),
+    # plain torch, folded into fp8_linear by the fp8_gemm pass where it feeds a linear
+    spec.OpSpec("fp8_dequantize", spec.MEMORY, spec.by_bytes, spec.OPAQUE_LAYOUT,
+                lambda: (*_example()[1:3], 16, 32, torch.float32)),
+)

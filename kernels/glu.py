@@ -11,11 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import GuardedPlans, contiguous_like, fail, cdiv, rows_of, check, check_float, signature
 
 NAME = "glu"
 ACTIVATIONS = ("silu", "gelu_tanh")
+DEFAULT_CONFIGS = {"interpreter": dict(BLOCK_R=8, BLOCK_N=32), "cuda": dict(BLOCK_R=4, BLOCK_N=1024, num_warps=4)}
 
 
 @triton.jit
@@ -95,3 +96,26 @@ def cpu_forward(gate, up, activation: str = "silu") -> torch.Tensor:
     check_inputs(gate, up, activation)
     return reference(gate, up, activation)
 
+
+# ---- the declarations (kernels/spec.py) ---------------------------------------------------------
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    _, randn = spec.aot_inputs()
+    return [
+        ("silu, bf16 8 x 11008", lambda arch: launch(randn(8, 11008), randn(8, 11008), config=config_for_arch(NAME, arch))),
+        ("gelu_tanh, bf16 8 x 16384",
+         lambda arch: launch(randn(8, 16384), randn(8, 16384), config=config_for_arch(NAME, arch),
+                             activation="gelu_tanh")),
+    ]
+
+
+def _example():
+    gate_up = torch.randn(3, 2 * 24)
+    return gate_up[:, :24], gate_up[:, 24:]
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+OPS = tuple(spec.OpSpec(name, spec.POINTWISE, spec.per_output_element, spec.rows(0, 1, token_wise=True), _example,
+                        KERNEL) for name in ("swiglu", "geglu"))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import configs  # noqa: F401  (the config table imports this module for its default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import (GuardedPlans, cdiv, check_float, fail, interpreted, next_pow2, retries_smaller, rows_of,
                       signature)
 
@@ -367,3 +367,47 @@ def launch(x, qweight, scales, zeros, perm, bias, group: int, *, config: dict | 
         _int4_gemm[plan.grid](*common, plan.M, plan.N, plan.K, group, plan.stride_xm, stride_qn, stride_sn,
                               stride_zn, plan.N, **plan.meta)
     return out
+
+
+# ---- the declarations (kernels/spec.py) ---------------------------------------------------------
+
+def _linear_flops(args, outs):  # K = PACK values a packed word; its bytes: the packed ones
+    x, qweight = args[0], args[1]
+    return 2 * spec.numel(outs[0]) * PACK * spec.size_hint(qweight.shape[1]), spec.peak_key(x.dtype)
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def int4(m, group=128, zeros=True, act_order=False, bias=False, k=1024):
+        def call(arch):
+            n = 512
+            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+            scales = torch.rand(n, k // group, generator=g).to(torch.float16)
+            z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8) if zeros else None
+            perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+            launch(randn(m, k, dtype=torch.float16), qweight, scales, z, perm, randn(n) if bias else None, group,
+                   config=config_for_arch(NAME, arch))
+        return call
+
+    return [
+        ("decode m=1, fp16, group 128, zero points (GEMV)", int4(1)),
+        ("decode m=8, fp16, act-order, symmetric (GEMV)", int4(8, zeros=False, act_order=True)),
+        ("prefill m=512, fp16, group 128, zero points, bias", int4(512, bias=True)),
+        ("prefill m=512, fp16, group 32, act-order", int4(512, group=32, act_order=True)),
+    ]
+
+
+def _example():
+    return (torch.randn(3, 5, 48), *quantize_weight(torch.randn(40, 48), 16, symmetric=False), None, torch.randn(40), 16)
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+OPS = (
+    spec.OpSpec("int4_linear", spec.GEMM, _linear_flops, spec.rows(0), _example, KERNEL),
+    # plain torch, folded into int4_linear by the int4_gemm pass where it feeds a linear
+    spec.OpSpec("int4_dequantize", spec.MEMORY, spec.by_bytes, spec.OPAQUE_LAYOUT,
+                lambda: (*_example()[1:4], 16, torch.float32)),
+)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from . import spec
+
 # layer index -> (K rows, V rows) of that layer: (rows, kv heads, head_dim) views of the pool
 PoolViews = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -46,3 +48,14 @@ def layer_views(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise RuntimeError("metainfer::paged_attention ran outside a serving step: no KV pool is active on this "
                            "thread (it runs inside OptimizedModel.generate_batch or a continuous-batching manager)")
     return views(layer)
+
+
+# ---- the declaration (kernels/spec.py): metainfer::paged_latents (kernels/ops.py) writes and
+# reads the pool in plain torch
+
+def _paged_latents_example():
+    """Two new tokens' latents and rotated keys, nothing cached (no pool is read)."""
+    return torch.randn(2, 16), torch.randn(2, 4), torch.tensor([0, 1]), torch.tensor([], dtype=torch.int64), 0
+
+
+OPS = (spec.OpSpec("paged_latents", spec.MEMORY, spec.by_bytes, spec.OPAQUE_LAYOUT, _paged_latents_example),)

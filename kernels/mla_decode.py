@@ -48,7 +48,7 @@ import triton.language as tl
 from ._flash import SplitMerge, dot, flash_meta, mask_operand, masked_scores, normalise, softmax_step
 from ._common import (softmax_rows, contiguous_like, dot_block, GRID_YZ_MAX, GuardedPlans, SplitRule, broadcasts_to, fail, cdiv, retries_smaller, check, check_float,
                       check_grid, next_pow2)
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from .sparse_attention import check_indices, check_mask, check_scalars, gather_mask, index_keep_mask
 
 NAME = "mla_decode"
@@ -414,3 +414,48 @@ def cpu_forward(q_latent, q_pe, ckv, kpe, indices, mask, scale: float, causal: b
             o = torch.einsum("bhct,bctr->bhcr", p, cg)
         out[:, :, i0:i1] = o.to(out.dtype)
     return out
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _flops(args, outs):  # scores over the latent and rotated keys, values from the latent
+    q_latent, q_pe, ckv, indices = args[0], args[1], args[2], args[4]
+    B, H, Sq, R = (spec.size_hint(s) for s in q_latent.shape)
+    keys = spec.size_hint(ckv.shape[1]) if indices is None else spec.size_hint(indices.shape[-1])
+    return 2 * B * H * Sq * keys * (2 * R + spec.size_hint(q_pe.shape[-1])), spec.peak_key(q_latent.dtype)
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def mla(sparse_indices, Sq=2, T=300, topk=64, R=512, mask=None):
+        def call(arch):
+            B, H, P = 1, 16, 64
+            idx = torch.randint(0, T, (B, Sq, topk), generator=g, dtype=torch.int32) if sparse_indices else None
+            m = (randn(B, 1, Sq, T) if mask == "additive"
+                 else torch.rand(B, 1, Sq, T, generator=g) > 0.2 if mask == "bool" else None)
+            launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, m,
+                   (R + P) ** -0.5, m is None, T - Sq, config=config_for_arch(NAME, arch))
+        return call
+
+    return [
+        ("bf16 dense", mla(False)),
+        ("bf16 sparse top-64", mla(True)),
+        ("bf16 dense decode, key splits", mla(False, Sq=1, T=4096)),
+        ("bf16 sparse top-2048 decode, key splits", mla(True, Sq=1, T=4096, topk=2048)),
+        ("bf16 R=1024 dense", mla(False, R=1024)),
+        ("bf16 R=1024 decode, key splits", mla(False, Sq=1, T=4096, R=1024)),
+        ("bf16 additive mask", mla(False, mask="additive")),
+        ("bf16 sparse top-64, bool mask", mla(True, mask="bool")),
+    ]
+
+
+def _example():
+    return (torch.randn(2, 4, 1, 32), torch.randn(2, 4, 1, 8), torch.randn(2, 9, 32), torch.randn(2, 9, 8), None, None,
+            0.2, True, 8, False)
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases, splits=True)
+OPS = (spec.OpSpec("mla_decode", spec.ATTENTION, _flops, spec.batch_first(0, 1, 2, 3, 4, mask=5), _example, KERNEL),)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._flash import dot, dot_flags
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import (GuardedPlans, contiguous_like, fail, cdiv, retries_smaller, check, check_float, gpu_capability,
                       next_pow2, out_of_resources, signature)
 
@@ -708,3 +708,57 @@ def cpu_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, s_gate=None, s_
         y = h @ dequantize(w_down[e], None if s_down is None else s_down[e], block_n, block_k).T
         out.index_add_(0, tokens, y.mul_(rw[pairs][:, None]))
     return out.to(x.dtype)
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _flops(args, outs):  # three GEMMs (gate, up, down) per (token, expert) pair
+    x, topk_ids, w_gate = args[0], args[1], args[3]
+    return 2 * spec.numel(topk_ids) * 3 * spec.size_hint(w_gate.shape[1]) * spec.size_hint(w_gate.shape[2]), \
+        spec.peak_key(x.dtype)
+
+
+def _experts(args):
+    """The experts that can receive a token: no more than the pairs."""
+    topk_ids, w_gate = args[1], args[3]
+    if topk_ids is None or w_gate is None:
+        return 1
+    return min(spec.size_hint(w_gate.shape[0]), spec.numel(topk_ids))
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+    e4m3 = torch.float8_e4m3fn
+
+    def experts(fp8, T):  # T x K pairs above GEMV_MAX_PAIRS: the sort and the tile kernels; below: decode's two
+        def call(arch):
+            E, K, H, I = 8, 2, 256, 256
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+            w = (lambda *s: randn(*s, dtype=e4m3)) if fp8 else randn
+            s = (lambda *s: torch.rand(*s, generator=g)) if fp8 else (lambda *s: None)
+            launch(randn(T, H), ids, torch.rand(T, K, generator=g), w(E, I, H), w(E, I, H), w(E, H, I),
+                   s(E, I // 128, H // 128), s(E, I // 128, H // 128), s(E, H // 128, I // 128),
+                   config=config_for_arch(NAME, arch))
+        return call
+
+    return [
+        ("bf16 experts", experts(False, 64)),
+        ("fp8 experts", experts(True, 64)),
+        ("bf16 experts, decode (matrix-vector)", experts(False, 4)),
+        ("fp8 experts, decode (matrix-vector)", experts(True, 4)),
+    ]
+
+
+def _example():
+    E, H, I = 4, 24, 16
+    gate_up = torch.randn(E, 2 * I, H)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(6)])
+    return (torch.randn(6, H), ids, torch.rand(6, 2), gate_up[:, :I], gate_up[:, I:], torch.randn(E, H, I),
+            None, None, None, 128, 128)
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+# a grouped GEMM; tokens (x, topk_ids, topk_weights) batch-first
+OPS = (spec.OpSpec("moe_experts", spec.GEMM, _flops, spec.batch_first(0, 1, 2), _example, KERNEL, experts=_experts),)

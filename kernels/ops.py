@@ -41,6 +41,7 @@ _LIB = torch.library.Library("metainfer", "FRAGMENT")
 # calls these (lowering/direct_calls.py), sparing a decode step the dispatcher's argument parsing
 # (~3 us per call of a ten-argument op). Same arguments, same outputs as torch.ops.metainfer.<name>.
 direct = types.SimpleNamespace()
+__all__: list[str] = []  # the ops defined below, as `_op` defines them
 
 
 def _op(name: str):
@@ -53,6 +54,7 @@ def _op(name: str):
         _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         setattr(direct, name, fn)
+        __all__.append(name)
         op = getattr(torch.ops.metainfer, name)
         op.__doc__ = fn.__doc__
         return op
@@ -65,8 +67,6 @@ def _fake(op):
     return torch.library.register_fake(op._qualified_op_name, lib=_LIB)
 
 
-__all__ = ["attention", "rmsnorm", "add_rmsnorm", "swiglu", "geglu", "rope", "fp8_linear", "fp8_dequantize", "int4_linear",
-           "int4_dequantize", "moe_experts", "sparse_attention", "mla_decode", "paged_attention", "paged_latents"]
 
 
 @_op("attention")

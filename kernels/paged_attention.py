@@ -37,12 +37,15 @@ import triton.language as tl
 
 from . import attention
 from ._common import softmax_rows, GuardedPlans, fail, cdiv, retries_smaller, check_float, next_pow2
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._flash import SplitMerge, dot, dot_flags, normalise, soft_cap, softmax_step
 
 NAME = "paged_attention"
 MAX_HEAD_DIM = 256
 INDEX_DTYPES = (torch.int32, torch.int64)
+# rows are (token, query head of the group) pairs; decode splits keys 512 at a time
+DEFAULT_CONFIGS = {"interpreter": dict(BLOCK_M=16, BLOCK_N=16),
+                   "cuda": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, KEYS_PER_SPLIT=512, MAX_SPLITS=8)}
 
 
 @triton.jit
@@ -607,3 +610,41 @@ def _decode_batch(q, k_pool, v_pool, plan: _DecodePlan, scale: float, gqa: bool,
                        _take(v_pool, prefix_rows).transpose(0, 1)[None], 0.0, False, scale=scale)  # (1, Hq, n, Dv), (1, Hq, n)
         o[members] = _merge(o1[0].transpose(0, 1), l1[0].transpose(0, 1), o[members], lse[members])
     out[plan.rows_q] = o
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def paged(decode, key_index=True, window=0, softcap=0.0):
+        def call(arch):
+            lens_q, lens_k = ([1, 1, 1], [700, 90, 1500]) if decode else ([37, 5, 64], [37, 300, 64])
+            kp, vp = randn(4096, 2, 128), randn(4096, 2, 128)
+            cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+            cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+            ki = torch.randperm(4096, generator=g)[:sum(lens_k)].to(torch.int32) if key_index else None
+            launch(randn(sum(lens_q), 8, 128), kp, vp, ki, cu_q, cu_k, max(lens_q), max(lens_k), 128 ** -0.5, window,
+                   softcap, config=config_for_arch(NAME, arch))
+        return call
+
+    return [
+        ("bf16 d128 prefill chunks", paged(False)),
+        ("bf16 d128 decode, key splits", paged(True)),
+        ("bf16 d128 keys in pool order (no key index)", paged(False, key_index=False)),
+        ("bf16 d128 decode, window 512, softcap 30", paged(True, window=512, softcap=30.0)),
+    ]
+
+
+def _example():
+    """Keys given in cu_k order (no pool): two requests of 3 and 1 query tokens over 5 and 4 keys."""
+    return (torch.randn(4, 4, 24), torch.randn(9, 2, 24), torch.randn(9, 2, 12), None, None,
+            torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32), 3, 5, 0, 0.2)
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+# the serving step's ops: tokens of many requests packed in rows, the pool outside the graph
+# (not modelled yet: priced by bytes)
+OPS = (spec.OpSpec("paged_attention", spec.ATTENTION, spec.by_bytes, spec.OPAQUE_LAYOUT, _example, KERNEL),)

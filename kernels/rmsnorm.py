@@ -14,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import GuardedPlans, contiguous_like, fail, rows_of, check, check_float, next_pow2, signature
 
 NAME = "rmsnorm"
+
+# launch configs: rows of `elems_per_warp` elements a warp, at most `max_warps` warps
+DEFAULT_CONFIGS = {"interpreter": dict(elems_per_warp=256, max_warps=1),
+                   "cuda": dict(elems_per_warp=256, max_warps=16)}
 
 
 @triton.jit
@@ -126,3 +130,24 @@ def reference(x, weight, eps, weight_offset=0.0, out_dtype=None, residual=None):
 def cpu_forward(x, weight, eps, weight_offset, out_dtype, residual=None):
     check_inputs(x, weight, eps, weight_offset, out_dtype, residual)
     return reference(x, weight, eps, weight_offset, out_dtype, residual)
+
+
+# ---- the declarations (kernels/spec.py) ---------------------------------------------------------
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    _, randn = spec.aot_inputs()
+    return [("bf16 4096 + residual",
+             lambda arch: launch(randn(8, 4096), randn(4096), 1e-6, 0.0, torch.bfloat16, residual=randn(8, 4096),
+                                 config=config_for_arch(NAME, arch)))]
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+OPS = (
+    spec.OpSpec("rmsnorm", spec.POINTWISE, spec.per_output_element, spec.rows(0, token_wise=True),
+                lambda: (torch.randn(3, 5, 32), torch.randn(32), 1e-6, 0.0, torch.float32), KERNEL),
+    spec.OpSpec("add_rmsnorm", spec.POINTWISE, spec.per_output_element, spec.rows(0, 1, token_wise=True),
+                lambda: (torch.randn(3, 5, 32), torch.randn(3, 5, 32), torch.randn(32), 1e-5, 0.0, torch.float32),
+                KERNEL),
+)

@@ -11,10 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 from ._common import GuardedPlans, contiguous_like, fail, broadcasts_to, cdiv, check_float, next_pow2, signature, strides_as
 
 NAME = "rope"
+DEFAULT_CONFIGS = {"interpreter": dict(BLOCK_R=8), "cuda": dict(BLOCK_R=16, num_warps=4)}
 
 
 @triton.jit
@@ -115,3 +116,19 @@ def reference(x, cos, sin) -> torch.Tensor:
 def cpu_forward(x, cos, sin) -> torch.Tensor:
     check_inputs(x, cos, sin)
     return reference(x, cos, sin).contiguous()
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    _, randn = spec.aot_inputs()
+    return [("bf16 d128", lambda arch: launch(randn(1, 8, 16, 128), randn(1, 1, 16, 128), randn(1, 1, 16, 128),
+                                              config=config_for_arch(NAME, arch)))]
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+# x, cos and sin broadcast together, as an ATen pointwise op's operands
+OPS = (spec.OpSpec("rope", spec.POINTWISE, spec.per_output_element, spec.broadcast(0, 1, 2),
+                   lambda: (torch.randn(2, 4, 5, 16), torch.randn(5, 16), torch.randn(1, 1, 5, 16)), KERNEL),)

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import spec
+
 SOURCE = Path(__file__).with_name("shm_collectives.c")
 SHM_DIR = Path("/dev/shm")
 DATA_OFFSET = 4096  # as in the C file
@@ -493,3 +495,20 @@ def _(x: Tensor, group_size: int, group_name: str) -> Tensor:
 def _(x: Tensor, group_size: int, group_name: str) -> Tensor:
     torch._check(x.shape[0] % group_size == 0, lambda: f"dim 0 ({x.shape[0]}) must divide by {group_size}")
     return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+
+
+# ---- the declarations (kernels/spec.py) ---------------------------------------------------------
+
+def _example(*sizes):
+    return lambda: (torch.randn(4, 8), *sizes, "example_group")
+
+
+# the group: its name (last argument), or its size where the op takes one
+OPS = (
+    spec.OpSpec("shm_all_reduce", spec.COLLECTIVE, spec.by_bytes, spec.OPAQUE_LAYOUT, _example(),
+                collective=spec.Collective("all_reduce", "shm")),
+    spec.OpSpec("shm_all_gather", spec.COLLECTIVE, spec.by_bytes, spec.OPAQUE_LAYOUT, _example(2),
+                collective=spec.Collective("all_gather", "shm", group_size_arg=1)),
+    spec.OpSpec("shm_reduce_scatter", spec.COLLECTIVE, spec.by_bytes, spec.OPAQUE_LAYOUT, _example(2),
+                collective=spec.Collective("reduce_scatter", "shm", group_size_arg=1)),
+)

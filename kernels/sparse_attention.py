@@ -38,7 +38,7 @@ from ._flash import dot, flash_meta, mask_operand, masked_scores, normalise, sof
 from . import _common
 from ._common import (softmax_rows, dot_block, FLOAT_DTYPES, GuardedPlans, broadcasts_to, cdiv, check, check_grid, check_qkv, fail,
                       next_pow2, retries_smaller)
-from . import configs  # (a module: configs imports the kernel modules for their default rows)
+from . import configs, spec  # (modules: configs reads the kernel files' declarations when first used)
 
 NAME = "sparse_attention"
 MAX_HEAD_DIM = 256
@@ -500,3 +500,44 @@ def launch_unselected_rows(out, q, k, v, indices, mask, scale: float, causal: bo
         num_warps=4,
     )
     return out
+
+
+# ---- the declaration (kernels/spec.py) ----------------------------------------------------------
+
+def _flops(args, outs):  # each query scores the keys its indices select
+    q, v, indices = args[0], args[2], args[3]
+    B, H, Sq, D = (spec.size_hint(s) for s in q.shape)
+    keys = spec.size_hint(indices.shape[-1])
+    return 2 * B * H * Sq * keys * (D + spec.size_hint(v.shape[-1])), spec.peak_key(q.dtype)
+
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, randn = spec.aot_inputs()
+
+    def sparse(mask=None, fill=None):
+        def call(arch):
+            q, k, v = randn(1, 16, 8, 128), randn(1, 1, 256, 128), randn(1, 1, 256, 128)
+            idx = torch.randint(0, 256, (1, 8, 64), generator=g, dtype=torch.int32)
+            m = randn(1, 1, 8, 256) if mask == "additive" else None
+            out = launch(q, k, v, idx, m, 128 ** -0.5, True, 248, config=config_for_arch(NAME, arch))
+            if fill is not None:
+                launch_unselected_rows(out, q, k, v, idx, m, 128 ** -0.5, True, 248, fill)
+        return call
+
+    return [
+        ("bf16 d128 top-64", sparse()),
+        ("bf16 d128 top-64, additive mask, unselected keys filled", sparse("additive", float(torch.finfo(torch.float32).min))),
+        ("bf16 d128 top-64, unselected keys filled", sparse(None, -1e9)),
+    ]
+
+
+def _example():
+    q, k, v = torch.randn(2, 4, 5, 24), torch.randn(2, 2, 9, 24), torch.randn(2, 2, 9, 12)
+    return q, k, v, torch.randn(2, 5, 9).topk(3, dim=-1)[1], None, 0.3, True, 4, False, float("-inf")
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)
+OPS = (spec.OpSpec("sparse_attention", spec.ATTENTION, _flops, spec.batch_first(0, 1, 2, 3, mask=4), _example,
+                   KERNEL),)

@@ -24,6 +24,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from . import spec
+
 _BUFFERS: dict[tuple, Tensor] = {}
 _USERS: dict[tuple, int] = {}  # key -> models owning it
 _OWNED: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
@@ -127,3 +129,10 @@ def symm_mem_all_reduce(x: Tensor, algorithm: str, group_name: str) -> Tensor:
 @symm_mem_all_reduce.register_fake
 def _(x: Tensor, algorithm: str, group_name: str) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# ---- the declaration (kernels/spec.py): the algorithm is the op's second argument -------------
+
+OPS = (spec.OpSpec("symm_mem_all_reduce", spec.COLLECTIVE, spec.by_bytes, spec.OPAQUE_LAYOUT,
+                   lambda: (torch.randn(4, 8), "one_shot", "example_group"),
+                   collective=spec.Collective("all_reduce", algorithm=1)),)

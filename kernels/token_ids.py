@@ -14,10 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import spec
 from ._common import cdiv, fail
 
 NAME = "token_ids"
 ID_DTYPES = (torch.int64, torch.int32)
+DEFAULT_CONFIGS = {"interpreter": dict(BLOCK=16), "cuda": dict(BLOCK=1024, num_warps=4)}
 
 
 @triton.jit
@@ -60,3 +62,16 @@ def reference(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor
     where = bad.nonzero()
     first = where[0] if where.numel() else torch.tensor([flat.numel()], device=ids.device)
     return torch.where(bad, 0, flat).view(ids.shape), first.to(torch.int64)
+
+
+# ---- the declaration (kernels/spec.py): a kernel of the serving runtime's, no op ----------------
+
+def _aot_cases():
+    from .configs import config_for_arch
+
+    g, _ = spec.aot_inputs()
+    return [("int64 ids", lambda arch: launch(torch.randint(0, 100, (2, 64), generator=g), 100,
+                                              config=config_for_arch(NAME, arch)))]
+
+
+KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases)

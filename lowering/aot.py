@@ -39,8 +39,6 @@ ARCHS = {"sm_80": (80, 163 * 1024), "sm_89": (89, 99 * 1024), "sm_90": (90, 227 
 # 32-bit registers one block may use on all three (the same table): 64 K
 REGISTERS_PER_BLOCK = 64 * 1024
 
-KERNEL_MODULES = ("attention", "rmsnorm", "glu", "rope", "token_ids", "paged_attention", "fp8_gemm", "int4_gemm",
-                  "moe", "sparse_attention", "mla_decode")
 # kernels shared by several launchers (the merge of key splits), launched from their own module
 SHARED_MODULES = ("_flash",)
 
@@ -72,7 +70,7 @@ def launched_kernels() -> dict[str, Any]:
     from triton.runtime.jit import KernelInterface
 
     found = {}
-    for name in KERNEL_MODULES + SHARED_MODULES:
+    for name in kernel_modules() + SHARED_MODULES:
         module = importlib.import_module(f"metainfer.kernels.{name}")
         source = inspect.getsource(module)
         for attr, value in vars(module).items():
@@ -199,202 +197,29 @@ def _key(launch: Launch, arch: str, specialised) -> str:
     return repr((arch, launch.kernel, source.signature, source.constants, source.attrs, options.__dict__))
 
 
-# ---- representative launches: (kernel module, case, call(arch)) ---------------------------------
+# ---- representative launches: (kernel module, case, call(arch)), from each kernel file's
+# declaration (kernels/spec.py: KernelSpec.aot_cases) --------------------------------------------
+
+def kernel_modules() -> tuple[str, ...]:
+    """The Triton kernel files, by their declarations."""
+    from metainfer.kernels import spec
+
+    return tuple(k.name for k in spec.kernel_specs())
+
 
 def _cases() -> list[tuple[str, str, Callable[[str], Any]]]:
-    import torch
+    from metainfer.kernels import spec
 
-    from metainfer.kernels import attention, fp8_gemm, int4_gemm, mla_decode, moe, paged_attention, rmsnorm, rope, \
-        sparse_attention, glu, token_ids
-    from metainfer.kernels.configs import config_for_arch
-
-    bf16, f32, e4m3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape, dtype=bf16):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    def attn(d, dtype, causal, mask, softcap=0.0, window=0):
-        def call(arch):
-            q, k, v = randn(1, 8, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype), randn(1, 2, 64, d, dtype=dtype)
-            m = (randn(1, 1, 64, 64, dtype=dtype) if mask == "additive"
-                 else torch.rand(1, 1, 64, 64, generator=g) > 0.2 if mask == "bool" else None)
-            cfg = config_for_arch("attention", arch, head_dim=d, dtype=dtype)
-            attention.launch(q, k, v, m, d ** -0.5, causal, 0, softcap=softcap, window=window, config=cfg)
-        return call
-
-    def paged(decode, key_index=True, window=0, softcap=0.0):
-        def call(arch):
-            lens_q, lens_k = ([1, 1, 1], [700, 90, 1500]) if decode else ([37, 5, 64], [37, 300, 64])
-            kp, vp = randn(4096, 2, 128), randn(4096, 2, 128)
-            cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
-            cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
-            ki = torch.randperm(4096, generator=g)[:sum(lens_k)].to(torch.int32) if key_index else None
-            paged_attention.launch(randn(sum(lens_q), 8, 128), kp, vp, ki, cu_q, cu_k, max(lens_q), max(lens_k),
-                                   128 ** -0.5, window, softcap, config=config_for_arch("paged_attention", arch))
-        return call
-
-    def attn_decode(d):
-        def call(arch):  # batch 1: 8 (batch x head) programs, far below any GPU's SMs
-            q, k, v = randn(1, 8, 1, d), randn(1, 2, 4096, d), randn(1, 2, 4096, d)
-            cfg = config_for_arch("attention", arch, head_dim=d, dtype=bf16)
-            attention.launch(q, k, v, None, d ** -0.5, True, 4095, config=cfg)
-        return call
-
-    def gemm(m, act_quant, bias=False, k=1024, block_k=128, block_n=128):
-        def call(arch):
-            n = 512
-            fp8_gemm.launch(randn(m, k), randn(n, k, dtype=e4m3),
-                            torch.rand(-(-n // block_n), -(-k // block_k), generator=g), randn(n) if bias else None,
-                            block_n, block_k, act_quant, config=config_for_arch("fp8_gemm", arch))
-        return call
-
-    def int4(m, group=128, zeros=True, act_order=False, bias=False, k=1024):
-        def call(arch):
-            n = 512
-            qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
-            scales = torch.rand(n, k // group, generator=g).to(torch.float16)
-            z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8) if zeros else None
-            perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
-            int4_gemm.launch(randn(m, k, dtype=torch.float16), qweight, scales, z, perm, randn(n) if bias else None,
-                             group, config=config_for_arch("int4_gemm", arch))
-        return call
-
-    def experts(fp8, T):  # T x K pairs above GEMV_MAX_PAIRS: the sort and the tile kernels; below: decode's two
-        def call(arch):
-            E, K, H, I = 8, 2, 256, 256
-            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
-            w = (lambda *s: randn(*s, dtype=e4m3)) if fp8 else randn
-            s = (lambda *s: torch.rand(*s, generator=g)) if fp8 else (lambda *s: None)
-            moe.launch(randn(T, H), ids, torch.rand(T, K, generator=g), w(E, I, H), w(E, I, H), w(E, H, I),
-                       s(E, I // 128, H // 128), s(E, I // 128, H // 128), s(E, H // 128, I // 128),
-                       config=config_for_arch("moe", arch))
-        return call
-
-    def sparse(mask=None, fill=None):
-        def call(arch):
-            q, k, v = randn(1, 16, 8, 128), randn(1, 1, 256, 128), randn(1, 1, 256, 128)
-            idx = torch.randint(0, 256, (1, 8, 64), generator=g, dtype=torch.int32)
-            m = randn(1, 1, 8, 256) if mask == "additive" else None
-            out = sparse_attention.launch(q, k, v, idx, m, 128 ** -0.5, True, 248,
-                                          config=config_for_arch("sparse_attention", arch))
-            if fill is not None:
-                sparse_attention.launch_unselected_rows(out, q, k, v, idx, m, 128 ** -0.5, True, 248, fill)
-        return call
-
-    def mla(sparse_indices, Sq=2, T=300, topk=64, R=512, mask=None):
-        def call(arch):
-            B, H, P = 1, 16, 64
-            idx = torch.randint(0, T, (B, Sq, topk), generator=g, dtype=torch.int32) if sparse_indices else None
-            m = (randn(B, 1, Sq, T) if mask == "additive"
-                 else torch.rand(B, 1, Sq, T, generator=g) > 0.2 if mask == "bool" else None)
-            mla_decode.launch(randn(B, H, Sq, R), randn(B, H, Sq, P), randn(B, T, R), randn(B, T, P), idx, m,
-                              (R + P) ** -0.5, m is None, T - Sq, config=config_for_arch("mla_decode", arch))
-        return call
-
-    return [
-        ("attention", "bf16 d64 causal", attn(64, bf16, True, False)),
-        ("attention", "bf16 d128 causal", attn(128, bf16, True, False)),
-        ("attention", "bf16 d128 additive mask", attn(128, bf16, False, "additive")),
-        ("attention", "bf16 d128 bool mask", attn(128, bf16, False, "bool")),
-        ("attention", "bf16 d256 softcap 50, window 32", attn(256, bf16, True, None, softcap=50.0, window=32)),
-        ("attention", "fp32 d64 causal", attn(64, f32, True, None)),
-        ("attention", "fp32 d128 causal", attn(128, f32, True, None)),
-        ("attention", "fp32 d192 causal", attn(192, f32, True, None)),
-        ("attention", "fp32 d256 causal", attn(256, f32, True, None)),
-        ("attention", "bf16 d256 causal", attn(256, bf16, True, None)),
-        ("attention", "bf16 d128 decode, key splits", attn_decode(128)),
-        ("paged_attention", "bf16 d128 prefill chunks", paged(False)),
-        ("paged_attention", "bf16 d128 decode, key splits", paged(True)),
-        ("paged_attention", "bf16 d128 keys in pool order (no key index)", paged(False, key_index=False)),
-        ("paged_attention", "bf16 d128 decode, window 512, softcap 30", paged(True, window=512, softcap=30.0)),
-        ("rmsnorm", "bf16 4096 + residual",
-         lambda arch: rmsnorm.launch(randn(8, 4096), randn(4096), 1e-6, 0.0, bf16, residual=randn(8, 4096),
-                                     config=config_for_arch("rmsnorm", arch))),
-        ("glu", "silu, bf16 8 x 11008",
-         lambda arch: glu.launch(randn(8, 11008), randn(8, 11008), config=config_for_arch("glu", arch))),
-        ("glu", "gelu_tanh, bf16 8 x 16384",
-         lambda arch: glu.launch(randn(8, 16384), randn(8, 16384), config=config_for_arch("glu", arch),
-                                 activation="gelu_tanh")),
-        ("rope", "bf16 d128",
-         lambda arch: rope.launch(randn(1, 8, 16, 128), randn(1, 1, 16, 128), randn(1, 1, 16, 128),
-                                  config=config_for_arch("rope", arch))),
-        ("token_ids", "int64 ids",
-         lambda arch: token_ids.launch(torch.randint(0, 100, (2, 64), generator=g), 100,
-                                       config=config_for_arch("token_ids", arch))),
-        ("fp8_gemm", "decode m=4, bf16 activations, split-K", gemm(4, False)),
-        ("fp8_gemm", "decode m=24, fp8 activations, split-K", gemm(24, True)),
-        ("fp8_gemm", "prefill m=512, fp8 activations", gemm(512, True)),
-        ("fp8_gemm", "prefill m=512, bf16 activations, bias", gemm(512, False, bias=True)),
-        ("fp8_gemm", "m=64, fp8 activations, K=16 (one small tile)", gemm(64, True, k=16, block_k=16)),
-        ("fp8_gemm", "m=64, fp8 activations, scale blocks of 16", gemm(64, True, block_k=16)),
-        ("fp8_gemm", "decode m=8, per-channel scales, split-K", gemm(8, False, block_n=1, block_k=1024)),
-        ("fp8_gemm", "prefill m=512, per-channel scales, per-token fp8 activations",
-         gemm(512, True, block_n=1, block_k=1024)),
-        ("int4_gemm", "decode m=1, fp16, group 128, zero points (GEMV)", int4(1)),
-        ("int4_gemm", "decode m=8, fp16, act-order, symmetric (GEMV)", int4(8, zeros=False, act_order=True)),
-        ("int4_gemm", "prefill m=512, fp16, group 128, zero points, bias", int4(512, bias=True)),
-        ("int4_gemm", "prefill m=512, fp16, group 32, act-order", int4(512, group=32, act_order=True)),
-        ("moe", "bf16 experts", experts(False, 64)),
-        ("moe", "fp8 experts", experts(True, 64)),
-        ("moe", "bf16 experts, decode (matrix-vector)", experts(False, 4)),
-        ("moe", "fp8 experts, decode (matrix-vector)", experts(True, 4)),
-        ("sparse_attention", "bf16 d128 top-64", sparse()),
-        ("sparse_attention", "bf16 d128 top-64, additive mask, unselected keys filled",
-         sparse("additive", float(torch.finfo(f32).min))),
-        ("sparse_attention", "bf16 d128 top-64, unselected keys filled", sparse(None, -1e9)),
-        ("mla_decode", "bf16 dense", mla(False)),
-        ("mla_decode", "bf16 sparse top-64", mla(True)),
-        ("mla_decode", "bf16 dense decode, key splits", mla(False, Sq=1, T=4096)),
-        ("mla_decode", "bf16 sparse top-2048 decode, key splits", mla(True, Sq=1, T=4096, topk=2048)),
-        ("mla_decode", "bf16 R=1024 dense", mla(False, R=1024)),
-        ("mla_decode", "bf16 R=1024 decode, key splits", mla(False, Sq=1, T=4096, R=1024)),
-        ("mla_decode", "bf16 additive mask", mla(False, mask="additive")),
-        ("mla_decode", "bf16 sparse top-64, bool mask", mla(True, mask="bool")),
-    ]
+    return [(k.name, case, call) for k in spec.kernel_specs() for case, call in k.aot_cases()]
 
 
 def _autotune_cases() -> list[tuple[str, str, Callable[[str], Any]]]:
-    """Every AUTOTUNE alternative of the attention and fp8_gemm rows, launched as a fixed config:
-    prefill- and decode-sized problems per attention head-dim row, each fp8_gemm M row."""
-    import torch
+    """Every AUTOTUNE alternative of the kernels that have them (attention, fp8_gemm), each
+    launched as a fixed config."""
+    from metainfer.kernels import spec
 
-    from metainfer.kernels import attention, fp8_gemm
-    from metainfer.kernels.configs import config_for_arch
-
-    bf16 = torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape, dtype=bf16):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    def attn(d, sq, sk, dtype=bf16):
-        def call(arch):
-            row = config_for_arch("attention", arch, head_dim=d, dtype=dtype)
-            q, k, v = randn(1, 8, sq, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype), randn(1, 2, sk, d, dtype=dtype)
-            for alt in ({}, *row.get("AUTOTUNE", ())):
-                attention.launch(q, k, v, None, d ** -0.5, True, sk - sq, config={**row, **alt})
-        return call
-
-    def gemm(m):
-        def call(arch):
-            gpu = config_for_arch("fp8_gemm", arch)
-            row, _ = fp8_gemm._row_for_m(gpu, m)
-            x, w = randn(m, 1024), randn(512, 1024, dtype=torch.float8_e4m3fn)
-            for alt in ({}, *row.get("AUTOTUNE", ())):
-                fp8_gemm.launch(x, w, torch.rand(4, 8, generator=g), None, 128, 128, False,
-                                config={**row, **alt, "SMALL_M": ()})
-        return call
-
-    cases = []
-    for d in (64, 128, 256):  # 256 query rows: no candidate's 128-row tile is clamped
-        cases.append(("attention", f"autotune d{d} prefill", attn(d, 256, 256)))
-        cases.append(("attention", f"autotune d{d} decode", attn(d, 1, 4096)))
-    for d in (64, 128, 256):  # float32 heads take the rows of bf16 heads twice as wide
-        cases.append(("attention", f"autotune fp32 d{d} prefill", attn(d, 256, 256, torch.float32)))
-    for m in (4, 24, 48, 512):
-        cases.append(("fp8_gemm", f"autotune m={m}", gemm(m)))
-    return cases
+    return [(k.name, case, call) for k in spec.kernel_specs() if k.aot_autotune_cases
+            for case, call in k.aot_autotune_cases()]
 
 
 def _blocks(launch: Launch) -> str:
@@ -470,7 +295,7 @@ def table(results: list[Result]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Compile every metainfer Triton kernel for NVIDIA GPUs, no GPU needed.")
     ap.add_argument("--arch", nargs="+", choices=tuple(ARCHS), default=tuple(ARCHS))
-    ap.add_argument("--kernel", nargs="+", choices=KERNEL_MODULES, help="only these kernel files")
+    ap.add_argument("--kernel", nargs="+", choices=kernel_modules(), help="only these kernel files")
     ap.add_argument("--json", metavar="FILE", help="write the results here ('-': standard output)")
     ap.add_argument("--autotune", action="store_true",
                     help="also compile every AUTOTUNE alternative of the attention and fp8_gemm rows")

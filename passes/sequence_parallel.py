@@ -4,19 +4,19 @@
       -> wait(reduce_scatter(x)) -> add(residual[my tokens], .) -> RMSNorm on my tokens
          -> wait(all_gather(.)) -> (column-parallel matmuls)
 
-The token-wise region after the all-reduces (residual adds, norms, casts, reshapes that keep
-the last dim) is found by closure over the graph: a node joins when its op is token-wise
-(ATen pointwise, a reduction over the last dim with keepdim, a reshape keeping the last dim,
-a cast, metainfer's rmsnorm / add_rmsnorm) and every tensor input is in the region, free of
-token dims (a weight broadcast over the last dim) or a replicated tensor of the same tokens
-(sliced to this rank's share). The region then runs on tokens [r T/n, (r+1) T/n) of the
-flattened token order, as 2-D [tokens, features]: the reduce-scatter of the flattened
-all-reduce input yields exactly those rows, and an all-gather restores the full tensor where
-a value leaves the region (one per value). Bytes on a ring are the same as the all-reduces'
-(reduce-scatter + all-gather = all-reduce); the norms and adds run on 1/n of the tokens and
-the residual stream between regions is 1/n of its size. The cost model decides whether it
-pays on the target (an island-aware all-reduce can beat two flat rings): the graph is
-rewritten on a copy and both are priced by the simulator after the later communication passes.
+The token-wise region after the all-reduces (residual adds, norms, casts, reshapes that keep the
+last dim) is found by closure over the graph: a node joins when its op is token-wise (ATen
+pointwise, a reduction over the last dim with keepdim, a reshape keeping the last dim, a cast, a
+metainfer op whose declaration says token-wise: rmsnorm, add_rmsnorm, swiglu, geglu) and every
+tensor input is in the region, free of token dims (a weight broadcast over the last dim) or a
+replicated tensor of the same tokens (sliced to this rank's share). The region runs on tokens
+[r T/n, (r+1) T/n) of the flattened token order, as 2-D [tokens, features]: the reduce-scatter
+of the flattened all-reduce input yields exactly those rows, and an all-gather restores the full
+tensor where a value leaves the region (one per value). Bytes on a ring are the same as the
+all-reduces' (reduce-scatter + all-gather = all-reduce); the norms and adds run on 1/n of the tokens
+and the residual stream between regions is 1/n of its size. The cost model decides whether it
+pays on the target (an island-aware all-reduce can beat two flat rings): the graph is rewritten
+on a copy and both are priced by the simulator after the later communication passes.
 `pass_options={"sequence_parallel": True}` applies it regardless (to measure the alternative).
 """
 
@@ -29,8 +29,12 @@ import operator
 import torch
 import torch.distributed as dist
 
+from metainfer.hardware.fxops import op_name
+from metainfer.kernels.spec import spec_for
+
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
+from .options import Option
 from .matching import CONVERT_OPS, Node, insert_call, is_op, is_reshape, location, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
@@ -44,9 +48,11 @@ def _is_pointwise(node: Node) -> bool:
     return torch.Tag.pointwise in tags or is_op(node, *CONVERT_OPS)
 
 
-def _is_metainfer_norm(node: Node) -> bool:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "_qualified_op_name", "") in ("metainfer::rmsnorm", "metainfer::add_rmsnorm")
+def _is_token_wise_op(node: Node) -> bool:
+    """A metainfer op declared token-wise (kernels/spec.py): rmsnorm, add_rmsnorm, ..."""
+    ns, name = op_name(node)
+    declared = spec_for(name) if ns == "metainfer" else None
+    return declared is not None and declared.layout.token_wise
 
 
 def _static(s) -> bool:
@@ -110,7 +116,7 @@ def _joins(node: Node, region: _Region) -> bool:
     if node.target is operator.getitem:
         return True
     val = tensor_val(node)
-    if val is None and not _is_metainfer_norm(node):
+    if val is None and not _is_token_wise_op(node):
         return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
@@ -125,7 +131,7 @@ def _joins(node: Node, region: _Region) -> bool:
         if not (isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] % rank == rank - 1 and keep):
             return False
         return src in region.members and not node.kwargs.get("dtype")
-    if not (_is_pointwise(node) or _is_metainfer_norm(node)):
+    if not (_is_pointwise(node) or _is_token_wise_op(node)):
         return False
     for a in ins:
         if a in region.members:
@@ -147,6 +153,8 @@ class SequenceParallel(Pass):
 
     name = "sequence_parallel"
     needs_collectives = True
+    options = (Option("sequence_parallel", bool, False, "apply it at every site, paying or not (to measure the "
+                      "alternative)"),)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         res = PassResult(modified=False)
@@ -166,7 +174,7 @@ class SequenceParallel(Pass):
         with_sp, without = lookahead.predicted_step(trial, ctx), lookahead.predicted_step(graph, ctx)
         figures = (f"predicted step {with_sp * 1e6:.0f} us with it, {without * 1e6:.0f} us without"
                    + lookahead.after_later(ctx))
-        forced = bool(ctx.options.get("sequence_parallel"))
+        forced = ctx.options["sequence_parallel"]
         if not (with_sp < without * (1 - 1e-6) or forced):  # a tie is not a reason to rewrite
             res.near_misses.append(f"sequence_parallel not applied on {ctx.target.name}: {figures}")
             return res

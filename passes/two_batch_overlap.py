@@ -29,9 +29,11 @@ import operator
 import torch
 
 from metainfer.hardware import fxops
+from metainfer.kernels.spec import BATCH_FIRST, BROADCAST, OPAQUE_LAYOUT, ROWS, spec_for
 
 from . import base
 from .base import Pass, PassContext, PassResult, register
+from .options import Option
 from .matching import Node, insert_call, is_reshape, location, shape, tensor_val
 
 aten = torch.ops.aten
@@ -61,11 +63,6 @@ _SAME_LAYOUT = {"clone", "alias", "contiguous", "_to_copy", "convert_element_typ
                 "full_like", "ones_like", "zeros_like", "empty_like"}
 _REDUCE = {"sum", "mean", "amax", "amin", "prod", "any", "all", "var", "var_mean", "argmax", "argmin", "logsumexp"}
 _ALONG = {"_softmax", "softmax", "_log_softmax", "log_softmax", "cumsum", "topk", "sort"}  # one dim, shape kept
-_ROWWISE = {"rmsnorm", "add_rmsnorm", "swiglu", "geglu", "fp8_linear", "int4_linear"}  # metainfer ops on rows: any leading dim
-_BATCH_FIRST = {  # metainfer ops whose listed tensor arguments are batch-first (dim 0), output too
-    "attention": (0, 1, 2), "sparse_attention": (0, 1, 2, 3), "mla_decode": (0, 1, 2, 3, 4), "moe_experts": (0, 1, 2),
-}
-_MASK_ARG = {"attention": 3, "sparse_attention": 4, "mla_decode": 5}
 _ELEMENTWISE_COLLECTIVES = {"all_reduce", "wait_tensor"}
 
 
@@ -305,29 +302,30 @@ class BatchTrace:
         self._need(n, "no batch rule for this op")
 
     def _metainfer(self, n, name, x, bx, v):
+        """By the op's declared layout (kernels/spec.py)."""
         args = n.args
-        if name in _ROWWISE:
+        declared = spec_for(name)
+        layout = declared.layout if declared is not None else OPAQUE_LAYOUT
+        if layout.kind == ROWS:
             nd = tensor_val(x).ndim
             if bx is None or bx == nd - 1:
                 self._need(n, "the batch is not on a row dimension")
-            if name == "add_rmsnorm":
-                if self.d(args[1]) != bx:
-                    self._need(n, "residual and input carry the batch differently")
-                return [bx, bx]
-            if name in ("swiglu", "geglu") and self.d(args[1]) != bx:
-                self._need(n, "gate and up carry the batch differently")
-            return bx
-        if name == "rope":
-            return self._broadcast(n, args[:3])
-        if name in _BATCH_FIRST:
-            for i in _BATCH_FIRST[name]:
+            for i in layout.args[1:]:
+                if self.d(args[i]) != bx:
+                    names = [a.name for a in n.target._schema.arguments]
+                    self._need(n, f"{names[layout.args[0]]} and {names[i]} carry the batch differently")
+            return [bx] * len(v) if isinstance(v, (list, tuple)) else bx
+        if layout.kind == BROADCAST:
+            return self._broadcast(n, [args[i] for i in layout.args])
+        if layout.kind == BATCH_FIRST:
+            for i in layout.args:
                 a = args[i]
                 if isinstance(a, Node) and self.d(a) != 0:
                     if self.d(a) is None and tensor_val(a).shape[0] == self.batch:
                         self._slice(n, a, 0)
                     elif self.d(a) is not None or tensor_val(a).shape[0] != 1:
                         self._need(n, f"argument {i} does not carry the batch first")
-            m = args[_MASK_ARG[name]] if name in _MASK_ARG else None
+            m = args[layout.mask] if layout.mask is not None else None
             if isinstance(m, Node):  # broadcast to (B, H, Sq, Sk): only a 4-d mask has a batch dim
                 full = tensor_val(m).ndim == 4
                 if self.d(m) not in ((0, None) if full else (None,)):
@@ -454,6 +452,8 @@ class TwoBatchOverlap(Pass):
 
     name = "two_batch_overlap"
     needs_collectives = True
+    options = (Option("two_batch_overlap", bool, False, "split every graph it can, paying or not (to measure the "
+                      "alternative)"),)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
         from .overlap_collectives import is_collective
@@ -482,7 +482,7 @@ class TwoBatchOverlap(Pass):
         before, after = lookahead.predicted_step(graph, ctx), lookahead.predicted_step(trial, ctx)
         figures = (f"predicted step {before * 1e6:.0f} us as one batch, {after * 1e6:.0f} us as two micro-batches"
                    + lookahead.after_later(ctx))
-        forced = bool(ctx.options.get("two_batch_overlap"))
+        forced = ctx.options["two_batch_overlap"]
         if not (after < before * (1 - 1e-9) or forced):
             res.near_misses.append(f"two_batch_overlap: does not pay: {figures}")
             return res

@@ -30,7 +30,6 @@ for reduce-scatter the unreduced input):
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
@@ -38,6 +37,8 @@ import torch
 
 from metainfer.hardware.fxops import VIEW_NAMES, op_name
 from metainfer.hardware.targets import Target
+from metainfer.kernels import spec as op_specs
+from metainfer.kernels.spec import numel, size_hint, tensor_bytes  # noqa: F401  (this module's, too)
 
 ALGORITHMS = {
     "all_reduce": ("ring", "two_shot", "one_shot", "hierarchical", "shm"),
@@ -229,8 +230,6 @@ _DATA_MOVEMENT = {"clone", "copy", "copy_", "_to_copy", "contiguous", "cat", "st
 # constant fills (no tensor input): Inductor computes the value inside the kernel that reads
 # it, so they launch nothing and move nothing of their own
 _CONSTANT_FILLS = {"full", "zeros", "ones", "scalar_tensor", "arange", "iota", "empty", "empty_strided"}
-# metainfer's pointwise-like fused ops: one FLOP-ish per output element, bytes dominate
-_FUSED_POINTWISE = {"rmsnorm", "add_rmsnorm", "rope", "swiglu", "geglu"}
 
 
 @dataclass(frozen=True)
@@ -281,69 +280,32 @@ def _tensors(vals):
     return out
 
 
-def size_hint(x) -> float:
-    """A size as a number; symbolic sizes at their hint (an estimate, never a guard)."""
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        return float(hint) if hint is not None else 1.0
-    return float(x)
+_peak_key = op_specs.peak_key
 
 
-def numel(t: torch.Tensor) -> float:
-    return math.prod(size_hint(s) for s in t.shape)
+# matmul kernels: their operands stream at the device's GEMM rate (DeviceSpec.stream_bandwidth);
+# metainfer's are the ops declared GEMM (kernels/spec.py)
+GEMMS = {("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"), ("transformers", "grouped_mm_fallback")}
 
 
-def tensor_bytes(t: torch.Tensor) -> float:
-    return numel(t) * t.element_size()
+def _is_gemm(ns: str, name: str, declared: "op_specs.OpSpec | None") -> bool:
+    return (ns, name) in GEMMS or declared is not None and declared.kind == op_specs.GEMM
 
 
-def _peak_key(dtype: torch.dtype) -> str:
-    if dtype in (torch.bfloat16,):
-        return "bf16"
-    if dtype in (torch.float16,):
-        return "fp16"
-    if dtype.is_floating_point and dtype.itemsize == 1:
-        return "fp8"
-    return "fp32"
+def _values(args):
+    """A call's arguments with graph values replaced by their fake values (what the op specs'
+    formulas take)."""
+    return [_val(x) if isinstance(x, torch.fx.Node) else x for x in args]
 
 
-# matmul kernels: their operands stream at the device's GEMM rate (DeviceSpec.stream_bandwidth)
-GEMMS = {("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"), ("metainfer", "fp8_linear"),
-         ("metainfer", "int4_linear"), ("metainfer", "moe_experts"), ("transformers", "grouped_mm_fallback")}
-
-
-def _flops(name: str, ns: str, args: list, out: list) -> tuple[float, str | None]:
-    """(FLOPs, dtype key for the peak) of known ops; (0, None) where priced by bytes."""
-    a = [_val(x) if isinstance(x, torch.fx.Node) else x for x in args]
+def _flops(name: str, ns: str, a: list, out: list, declared: "op_specs.OpSpec | None") -> tuple[float, str | None]:
+    """(FLOPs, dtype key for the peak) of known ops; (0, None) where priced by bytes. `a`: the
+    argument values; `declared`: a metainfer op's declaration, whose formula it is."""
+    if declared is not None:
+        return declared.flops(a, out)
     if ns == "aten" and name in ("mm", "addmm", "bmm", "baddbmm"):
         x, w = (a[1], a[2]) if name in ("addmm", "baddbmm") else (a[0], a[1])
         return 2 * numel(out[0]) * size_hint(x.shape[-1]), _peak_key(x.dtype)
-    if ns == "metainfer" and name == "fp8_linear":
-        x, w, act_quant = a[0], a[1], a[6]
-        return 2 * numel(out[0]) * size_hint(w.shape[1]), "fp8" if act_quant else _peak_key(x.dtype)
-    if ns == "metainfer" and name == "int4_linear":  # K = 8 values a packed word; its bytes: the packed ones
-        x, qweight = a[0], a[1]
-        return 2 * numel(out[0]) * 8 * size_hint(qweight.shape[1]), _peak_key(x.dtype)
-    if ns == "metainfer" and name in ("attention", "sparse_attention"):
-        q, k, v = a[0], a[1], a[2]
-        B, H, Sq, D = (size_hint(s) for s in q.shape)
-        keys = size_hint(k.shape[2]) if name == "attention" else size_hint(a[3].shape[-1])
-        frac = 0.5 if name == "attention" and a[5] and Sq > 1 else 1.0  # causal: about half the matrix
-        from metainfer.kernels.attention import softcap_window
-
-        window = int(size_hint(softcap_window(a)[1])) if name == "attention" else 0
-        if 0 < window < keys:  # a sliding window: about `window` keys per query
-            keys, frac = window, 1.0
-        return 2 * B * H * Sq * keys * (D + size_hint(v.shape[-1])) * frac, _peak_key(q.dtype)
-    if ns == "metainfer" and name == "mla_decode":
-        ql, qp, c, idx = a[0], a[1], a[2], a[4]
-        B, H, Sq, R = (size_hint(s) for s in ql.shape)
-        keys = size_hint(c.shape[1]) if idx is None else size_hint(idx.shape[-1])
-        return 2 * B * H * Sq * keys * (2 * R + size_hint(qp.shape[-1])), _peak_key(ql.dtype)
-    if ns == "metainfer" and name == "moe_experts":
-        x, ids, wg = a[0], a[1], a[3]
-        pairs = numel(ids)
-        return 2 * pairs * 3 * size_hint(wg.shape[1]) * size_hint(wg.shape[2]), _peak_key(x.dtype)
     if ns == "transformers" and name == "grouped_mm_fallback":  # (S, K) rows by (E, K, N) experts
         return 2 * numel(out[0]) * size_hint(a[0].shape[-1]), _peak_key(a[0].dtype)
     return 0.0, None
@@ -384,27 +346,15 @@ def kernel_cost(flops: float, nbytes: float, dtype_key: str, target: Target, cus
     return c
 
 
-def _cpu_attention_scores(node: torch.fx.Node) -> "tuple[float, float] | None":
-    """For metainfer::attention on a CPU device: None where its CPU path is torch's fused SDPA
-    kernel; else (FLOPs, extra bytes) of the chunked path, which computes every score (no causal
-    skip; with a window only its chunk's window) into an fp32 matrix that several eager ops read
-    and write."""
-    from metainfer.kernels.attention import chunked_keys_per_row, chunked_score_passes, cpu_fused_path, softcap_window
-
-    q, k, v, mask = (_val(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
-    causal, offset = node.args[5], node.args[6]
-    softcap, window = softcap_window(node.args, node.kwargs)
-    window = int(size_hint(window))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not isinstance(causal, bool):
-        return None
-    mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else None
-    if cpu_fused_path(q.shape[-1], v.shape[-1], mask_dtype, q.dtype, causal, offset, softcap, window):
-        return None
-    B, H, Sq, D = (size_hint(s) for s in q.shape)
-    Sk, Dv = size_hint(k.shape[2]), size_hint(v.shape[-1])
-    scores = B * H * Sq * chunked_keys_per_row(B, H, Sq, Sk, window)
-    return 2 * scores * (D + Dv), chunked_score_passes(mask_dtype is not None, causal, bool(softcap)) * scores * 4
-
+def custom_op_cost(name: str, flops: float, nbytes: float, dtype_key: str, target: Target,
+                   experts: float = 1.0) -> OpCost:
+    """`kernel_cost` of one call of metainfer's op `name`, as its declaration (kernels/spec.py)
+    says it runs: a GEMM's operands stream at the device's GEMM rate. For work modelled
+    without a graph (the planner's layers)."""
+    declared = op_specs.spec_for(name)
+    if declared is None:
+        raise KeyError(f"metainfer has no op {name!r}")
+    return kernel_cost(flops, nbytes, dtype_key, target, name, experts, gemm=_is_gemm("metainfer", name, declared))
 
 
 def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None) -> OpCost:
@@ -425,26 +375,28 @@ def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None)
         return OpCost(0.0, 0.0, 0.0, "free")
     out = _tensors([node.meta.get("val")])
     moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in out)
-    flops, key = _flops(name, ns, list(node.args), out)
+    declared = op_specs.spec_for(name) if ns == "metainfer" else None
+    args = _values(node.args)
+    flops, key = _flops(name, ns, args, out, declared)
     unknown = False
     if key is None:
         tags = getattr(node.target, "tags", ())
         key = _peak_key(out[0].dtype) if out else "fp32"
         if torch.Tag.reduction in tags or name in _REDUCTIONS:
             flops = sum(numel(t) for t in ins)
-        elif torch.Tag.pointwise in tags or (ns == "metainfer" and name in _FUSED_POINTWISE):
+        elif torch.Tag.pointwise in tags:
             flops = sum(numel(t) for t in out)
         else:
             flops, unknown = 0.0, name not in _DATA_MOVEMENT
     custom_op, as_calibrated = (name if ns == "metainfer" else None), True
-    if ns == "metainfer" and name == "attention" and target.device.kind == "cpu":
-        extra = _cpu_attention_scores(node)
-        if extra is not None:  # the chunked CPU path: the whole score matrix, written and re-read
+    if declared is not None and declared.cpu_work is not None and target.device.kind == "cpu":
+        extra = declared.cpu_work(args, {k: _val(v) if isinstance(v, torch.fx.Node) else v
+                                         for k, v in node.kwargs.items()})
+        if extra is not None:  # e.g. attention's chunked CPU path: the whole score matrix, written and re-read
             flops, moved, as_calibrated = extra[0], moved + extra[1], False
     experts = 1.0
-    if ns == "metainfer" and name == "moe_experts":  # the experts that can receive a token
-        ids, w_gate = _val(node.args[1]), _val(node.args[3])
-        experts = min(size_hint(w_gate.shape[0]), numel(ids)) if ids is not None and w_gate is not None else 1
+    if declared is not None and declared.experts is not None:  # the experts that can receive a token
+        experts = declared.experts(args)
     if ns == "transformers" and name == "grouped_mm_fallback":
         rows, weight = _val(node.args[0]), _val(node.args[1])
         if rows is not None and weight is not None:  # it reads the weights of the experts with rows only
@@ -454,7 +406,7 @@ def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None)
         if name in target.device.custom_op_overheads:  # calibrated: its host loop's costs
             custom_op = name
     c = kernel_cost(flops, moved, key, target, custom_op, experts, slowdown=as_calibrated, footprint=footprint,
-                    gemm=(ns, name) in GEMMS)
+                    gemm=_is_gemm(ns, name, declared))
     return OpCost(c.flops, c.bytes, c.seconds, c.bound, priced_by_bytes=unknown)
 
 

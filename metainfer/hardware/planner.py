@@ -297,7 +297,8 @@ class _Layer:
         self.gemm_key = "fp8" if fp8 else "bf16"
 
     # each modelled kernel is priced by the cost model's one kernel formula (cost.kernel_cost),
-    # as the op the target's pipeline emits for it: a matmul, or metainfer's custom op
+    # as the op the target's pipeline emits for it: a matmul, or metainfer's custom op as its
+    # declaration says it runs (cost.custom_op_cost, kernels/spec.py)
 
     def gemm(self, name: str, k: float, n: float, tokens: float | None = None, weights: float | None = None):
         """tokens x k @ k x n; the weight read once (`weights` experts' worth of it)."""
@@ -312,7 +313,7 @@ class _Layer:
         metainfer's op for it, kept only where the target's cost gate finds it no slower than
         the kernel the lowering would generate, as the pass manager does."""
         flops, nbytes = elements, passes * elements * self.m.act_bytes
-        c = min(cost.kernel_cost(flops, nbytes, "bf16", self.t, name), cost.kernel_cost(flops, nbytes, "bf16", self.t),
+        c = min(cost.custom_op_cost(name, flops, nbytes, "bf16", self.t), cost.kernel_cost(flops, nbytes, "bf16", self.t),
                 key=lambda c: c.seconds)
         self.tl.compute(name, c.seconds)
 
@@ -326,7 +327,7 @@ class _Layer:
         flops = 2 * self.tokens * heads * keys * (qk + v)
         cache = self.seqs * self.context * kv_bytes_per_key  # every sequence's keys read once
         io = self.tokens * heads * (qk + v) * self.m.act_bytes
-        c = cost.kernel_cost(flops, cache + io, "bf16", self.t, name)
+        c = cost.custom_op_cost(name, flops, cache + io, "bf16", self.t)
         self.tl.compute(name, c.seconds, detail=f"{c.bound}-bound")
 
     def collective(self, kind: str, nbytes: float, ranks: int):
@@ -392,9 +393,9 @@ class _Layer:
         # the experts as fuse_moe emits them, one metainfer.moe_experts call: three GEMMs per
         # (token, expert) pair, the weights of the experts that received tokens read once
         width = I / split
-        c = cost.kernel_cost(2 * pairs * 3 * m.hidden * width,
-                             touched * 3 * m.hidden * width * m.weight_bytes + pairs * 2 * m.hidden * m.act_bytes,
-                             self.gemm_key, self.t, "moe_experts", experts=touched, gemm=True)
+        c = cost.custom_op_cost("moe_experts", 2 * pairs * 3 * m.hidden * width,
+                                touched * 3 * m.hidden * width * m.weight_bytes + pairs * 2 * m.hidden * m.act_bytes,
+                                self.gemm_key, self.t, experts=touched)
         self.tl.compute("moe_experts", c.seconds, detail=f"{c.bound}-bound")
         if p.ep > 1:
             # back to the token's rank; the shared expert (whole on every rank) runs on the

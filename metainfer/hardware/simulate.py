@@ -34,6 +34,7 @@ import torch
 from metainfer.hardware import cost
 from metainfer.hardware.fxops import is_c10d, op_name
 from metainfer.hardware.targets import Target
+from metainfer.kernels import spec
 
 COLLECTIVE_OPS = {
     "all_reduce": "all_reduce",
@@ -43,7 +44,16 @@ COLLECTIVE_OPS = {
     "all_to_all_single": "all_to_all",
 }
 
-SHM_OPS = {"shm_all_reduce": "all_reduce", "shm_all_gather": "all_gather", "shm_reduce_scatter": "reduce_scatter"}
+# functional collectives that take their group's size: its position
+_GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
+
+
+def collective_op(node: torch.fx.Node) -> "spec.Collective | None":
+    """What a metainfer op that is a collective (the shm_* ops, symm_mem_all_reduce) does, from
+    its declaration (kernels/spec.py); None for any other node."""
+    ns, name = op_name(node)
+    declared = spec.spec_for(name) if ns == "metainfer" else None
+    return declared.collective if declared is not None else None
 
 
 @dataclass
@@ -167,6 +177,8 @@ def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
     names (when torch.distributed knows it), else its group_size argument (the first n
     devices), else the whole target."""
     _, name = op_name(node)
+    collective = collective_op(node)
+    size_arg = collective.group_size_arg if collective is not None else _GROUP_SIZE_ARG.get(name)
     group = group_name(node)
     import torch.distributed as dist
 
@@ -177,8 +189,8 @@ def group_ranks(node: torch.fx.Node, target: Target) -> "int | tuple[int, ...]":
                 return tuple(ranks)
         except Exception:  # a name from another process (a cached graph): fall back below
             pass
-    if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "shm_all_gather", "shm_reduce_scatter"):
-        size = node.args[2] if name == "reduce_scatter_tensor" else node.args[1]
+    if size_arg is not None:
+        size = node.args[size_arg]
         if isinstance(size, int):
             return min(size, target.num_devices)
     return target.num_devices
@@ -224,18 +236,15 @@ class GraphTimeline:
             end = tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds, max(deps, tl.compute_free))
         elif is_c10d(node) and name == "wait_tensor":
             end = tl.wait(deps)
-        elif name in SHM_OPS:  # shared memory: the rank's own core does it, the compute stream waits
-            kind = SHM_OPS[name]
+        elif (collective := collective_op(node)) is not None:
+            # metainfer's collectives (shared memory on the rank's own core, a P2P kernel): the
+            # compute stream waits for them
+            kind = collective.kind
+            algorithm = collective.algorithm if isinstance(collective.algorithm, str) else node.args[collective.algorithm]
             nbytes = _collective_bytes(node, kind)
             ranks = group_ranks(node, target)
-            c = cost.collective_cost(kind, nbytes, target, "shm", ranks=ranks)
+            c = cost.collective_cost(kind, nbytes, target, algorithm, ranks=ranks)
             end = tl.wait(tl.communicate(c, cost.best(kind, nbytes, target, ranks=ranks).seconds,
-                                         max(deps, tl.compute_free)))
-        elif name == "symm_mem_all_reduce":  # a P2P all-reduce kernel: the compute stream waits for it
-            nbytes = cost.tensor_bytes(node.args[0].meta["val"])
-            ranks = group_ranks(node, target)
-            c = cost.collective_cost("all_reduce", nbytes, target, node.args[1], ranks=ranks)
-            end = tl.wait(tl.communicate(c, cost.best("all_reduce", nbytes, target, ranks=ranks).seconds,
                                          max(deps, tl.compute_free)))
         else:
             c = self.price(node)

@@ -69,7 +69,7 @@ def _model(name: str, layers: int = 4):
 
 def _optimized(model, target, passes_on: bool, cache_dir: str):
     opt = metainfer.optimize(model, target, passes=None if passes_on else [], cache_dir=cache_dir)
-    opt._backend.time_calls = True
+    opt.record_call_times()
     return opt
 
 
@@ -187,7 +187,7 @@ def decisions(target, cache_dir: str, models=tuple(MODELS), progress=print, guar
                     opt = metainfer.optimize(model, target, passes=list(DEFAULT_ORDER), disable=disable,
                                              pass_options={"cost_gates": False, **({force: True} if force else {})},
                                              cache_dir=cache_dir)
-                    opt._backend.time_calls = True
+                    opt.record_call_times()
                     run(opt, ids)  # noqa: B023
                     return opt.report
 

@@ -84,7 +84,7 @@ def _rank_run(rank: int, world: int, path: str, overlap: float, calibrated_threa
     torch._dynamo.reset()
     opt = metainfer.optimize(model, target, emulate=True, tensor_parallel=world, disable=disable,
                              pass_options=options or None, cache_dir=os.path.join(cache_dir, f"rank{rank}"))
-    opt._backend.time_calls = True
+    opt.record_call_times()
     with torch.no_grad():
         for _ in range(2 + CALLS):
             torch.distributed.barrier()

@@ -132,12 +132,27 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return fresh
 
 
+@dataclass(frozen=True)
+class CallContext:
+    """What the caller of the compiled code is running, read by the graphs that call compiles.
+    phase: "forward", "prefill", "decode" (generate) or a serving step's "prefill" / "decode" /
+    "mixed"; a function is called only when a graph compiles. replayable: whether the graph may
+    be replayed from a CUDA graph (a decode step whose shapes do not grow with the context: a
+    static KV cache)."""
+
+    phase: "str | Callable[[], str]" = "forward"
+    replayable: bool = False
+
+    def phase_name(self) -> str:
+        return self.phase() if callable(self.phase) else self.phase
+
+
 class MetainferBackend:
     """A Dynamo backend bound to one target, pipeline and report."""
 
     def __init__(self, target, passes, disabled=(), *, report, explicit: bool = False,
                  lowering: str = "inductor", options: dict | None = None, capture: bool = False,
-                 cache_dir=None):
+                 cache_dir=None, cuda_graphs: bool = True):
         if lowering not in LOWERINGS:
             raise ValueError(f"unknown lowering {lowering!r}; known: {', '.join(LOWERINGS)}")
         self.target = target
@@ -153,22 +168,31 @@ class MetainferBackend:
         self._breaks_seen = dict(counters["graph_break"])
         self._guards_seen = _guard_failure_counts()
         self._compile_ids: set[str] = set()
-        # what the caller is running: "forward", "prefill", "decode" (generate) or a serving step's
-        # "prefill" / "decode" / "mixed"; a function is called only when a graph compiles
-        self.phase: "str | Callable[[], str]" = "forward"
+        # each thread's innermost call (a serving engine runs its steps on a thread of its own)
+        self._calls = threading.local()
         # record each compiled graph's wall time per call in its section (the cost model's
         # validation benchmark compares them with the predictions); set before the graphs compile
         self.time_calls = False
-        # whether the caller's graph may be replayed from a CUDA graph (a decode step whose shapes
-        # do not grow with the context: a static KV cache); the api sets it per call
-        self.replayable = False
-        self.cuda_graphs = True  # optimize(cuda_graphs=...)
+        self.cuda_graphs = cuda_graphs  # optimize(cuda_graphs=...)
         kernel_configs.activate(target)
 
-    def call_starts(self) -> None:
-        """A caller is about to run the compiled code: guard failures from here on are
-        this caller's (not those of other code that ran the same model in between)."""
+    @contextlib.contextmanager
+    def calling(self, context: CallContext):
+        """A caller runs the compiled code under `context`: graphs compiled meanwhile on this
+        thread are labelled by it, and guard failures from here on are this caller's (not those
+        of other code that ran the same model in between)."""
         self._guards_seen = _guard_failure_counts()
+        stack = self._calls.__dict__.setdefault("stack", [])
+        stack.append(context)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def current_call(self) -> CallContext:
+        """The context of this thread's innermost call; a plain forward outside any."""
+        stack = getattr(self._calls, "stack", None)
+        return stack[-1] if stack else _PLAIN_CALL
 
     def _new_breaks(self) -> list[str]:
         now = dict(counters["graph_break"])
@@ -182,12 +206,13 @@ class MetainferBackend:
         cid = _current_compile_id()
         if cid is not None:
             self._compile_ids.add(cid)
+        call = self.current_call()
         section = GraphSection(index=len(self.report.sections), break_reasons=self._new_breaks(),
                                inputs=graph_input_labels(gm, example_inputs), lowering=self.lowering,
-                               phase=self.phase() if callable(self.phase) else self.phase,
+                               phase=call.phase_name(),
                                recompile_reasons=recompiled_because[:4],
                                cuda_graphs=uses_cuda_graphs(self.target, self.lowering, self.cuda_graphs,
-                                                            self.replayable))
+                                                            call.replayable))
         original = copy_graph(gm) if self.capture else None
         t0 = time.perf_counter()
         with symm_mem.owned_by(self):  # symmetric buffers the passes reserve live as long as this model
@@ -217,6 +242,9 @@ class MetainferBackend:
             return compiled(*args)
 
         return run
+
+
+_PLAIN_CALL = CallContext()
 
 
 def uses_cuda_graphs(target, lowering: str, enabled: bool, replayable: bool) -> bool:

@@ -68,7 +68,7 @@ from .hardware import targets  # noqa: E402  (plain Python: no torch)
 _LAZY = {
     "optimize": "api", "bisect": "api", "OptimizedModel": "api",
     "analyze": "analyze", "plan": "api", "PlanError": "hardware.planner",
-    "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "model_capture",
+    "EquivalenceError": "verify", "BisectResult": "verify", "CaptureError": "runtime.model_capture",
     "Report": "report", "Target": "hardware.targets", "cache": None, "load": "loading",
 }
 

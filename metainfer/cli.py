@@ -167,7 +167,7 @@ def cmd_plan(a) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--model {a.model}: {e}") from None
     if a.weights:
-        model = dataclasses.replace(model, weight_bytes=2.0 if a.weights == "bf16" else shapes._FP8_BYTES)
+        model = dataclasses.replace(model, weight_bytes=2.0 if a.weights == "bf16" else shapes.FP8_BLOCK_BYTES)
     phases = planner.PHASES if a.phase == "both" else (a.phase,)
     result = planner.plan(model, target, phases=phases, batch=a.batch, seq=a.seq, acceptance=a.acceptance)
     print(json.dumps(result.to_dict(), indent=2) if a.json else result)

@@ -17,7 +17,7 @@ fused, down GEMM, weighted combine). Forms recognised (post-grad ATen):
 transformers' eager experts loop iterates over the experts that received tokens, a
 data-dependent Python loop that breaks the graph once per expert; metainfer captures those
 modules through transformers' own `grouped_mm` implementation instead (see
-metainfer.model_capture), where this pass finds them.
+metainfer.runtime.model_capture), where this pass finds them.
 """
 
 from __future__ import annotations

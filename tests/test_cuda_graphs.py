@@ -9,7 +9,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import metainfer
-from metainfer import api
+from metainfer.runtime import optimized
 from metainfer.runtime import inputs
 from metainfer.hardware import targets
 from metainfer.lowering import backend as B
@@ -31,7 +31,8 @@ def _compiles(monkeypatch):
     real = B.MetainferBackend.__call__
 
     def spy(self, gm, example_inputs):
-        seen.append((self.phase() if callable(self.phase) else self.phase, self.replayable))
+        call = self.current_call()
+        seen.append((call.phase_name(), call.replayable))
         return real(self, gm, example_inputs)
 
     monkeypatch.setattr(B.MetainferBackend, "__call__", spy)
@@ -70,7 +71,7 @@ def test_a_captured_serving_step_keeps_its_warm_up_path_and_is_not_timed(monkeyp
     eager, compiled = opt._forward, opt._compiled_packed
     opt._forward = lambda *a, **k: ran.append("eager") or eager(*a, **k)
     opt._compiled_packed = lambda *a, **k: ran.append("compiled") or compiled(*a, **k)
-    monkeypatch.setattr(type(opt._serve_compile), "use_compiled", lambda self, tokens, rest=0: next(decisions))
+    monkeypatch.setattr(type(opt.serving_compile), "use_compiled", lambda self, tokens, rest=0: next(decisions))
 
     def capturing():  # every second step is the engine's capture of the one before
         calls["n"] += 1
@@ -78,8 +79,8 @@ def test_a_captured_serving_step_keeps_its_warm_up_path_and_is_not_timed(monkeyp
 
     monkeypatch.setattr(inputs, "capturing", capturing)
     timed = []
-    real_start = api.CallTimes.start
-    monkeypatch.setattr(api.CallTimes, "start", lambda self: timed.append(1) or real_start(self))
+    real_start = optimized.CallTimes.start
+    monkeypatch.setattr(optimized.CallTimes, "start", lambda self: timed.append(1) or real_start(self))
     greedy = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
     out = opt.generate_batch([[3, 4, 5, 6], [7, 8, 9]], generation_config=greedy,
                              continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, page_size=16))

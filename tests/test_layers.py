@@ -118,3 +118,75 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert not _may_import("passes", _layer("metainfer.api"))
     assert not _may_import("hardware", _layer("metainfer.runtime.serving"))
     assert _may_import("runtime", _layer("metainfer.hardware.planner"))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_definitions(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, module or local names, and
+    attributes it sets on `self` or `cls`."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.add(node.attr)
+    return {n for n in out if _private(n)}
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every private attribute read or set on something other than self/cls
+    or another package (`torch._check`), and every private name imported from a metainfer module."""
+    foreign = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for a in node.names if not a.name.startswith("metainfer")}
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr)
+                and _root_name(node.value) not in {"self", "cls"} | foreign):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("metainfer")):
+            out += [(node.lineno, a.name) for a in node.names if _private(a.name)]
+    return out
+
+
+def _cross_layer_private(modules) -> list[str]:
+    trees = [(module, _layer(module), ast.parse(path.read_text())) for module, path in modules]
+    owners: dict[str, set[str]] = {}
+    for _, layer, tree in trees:
+        for name in _private_definitions(tree):
+            owners.setdefault(name, set()).add(layer)
+    wrong = []
+    for module, layer, tree in trees:
+        for line, name in _private_reaches(tree):
+            theirs = owners.get(name, set())
+            if theirs and layer not in theirs:  # names no layer of ours defines are torch's, transformers'
+                wrong.append(f"{module}:{line} reaches {name} of {'/'.join(sorted(theirs))}")
+    return wrong
+
+
+def test_no_layer_reaches_another_layers_private_attributes():
+    """A layer uses another through its public names: a private attribute (`opt._backend`) is
+    its own layer's business. Read from the source: `x._name` where only other layers define
+    `_name`, or `from ... import _name` of theirs."""
+    wrong = _cross_layer_private(_modules())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_private_check_sees_a_reach(tmp_path):
+    """The rule can fail: the runtime reading a private attribute the API layer sets."""
+    top, runtime = tmp_path / "api.py", tmp_path / "serving.py"
+    top.write_text("class M:\n    def __init__(self):\n        self._backend = 1\n")
+    runtime.write_text("def f(opt):\n    return opt._backend, opt.public\n")
+    wrong = _cross_layer_private([("metainfer.api", top), ("metainfer.runtime.serving", runtime)])
+    assert wrong == ["metainfer.runtime.serving:2 reaches _backend of top"], wrong

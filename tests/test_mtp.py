@@ -192,7 +192,7 @@ def test_metainfer_turns_random_mtp_off_early_and_keeps_tokens(optimized):
     main = [s.phase for s in opt.report.sections]
     assert main[0] == "prefill" and "verify" in main, main
     drafter = model.mtp.__dict__["_metainfer_drafter"]
-    assert drafter._backend.lowering == "aot_eager"  # optimized as the target was
+    assert drafter.lowering == "aot_eager"  # optimized as the target was
     assert {s.phase for s in drafter.report.sections} == {"draft"}
     assert drafter.report.matches("fuse_moe") >= 1 and drafter.report.matches("mla_prefill") >= 1  # its own passes
 

@@ -98,7 +98,7 @@ class FakeEvent:
 def test_observed_calls_on_a_gpu_are_timed_by_events_read_when_done(monkeypatch):
     """An observed call's seconds come from a CUDA event pair, handed on when the events have
     completed (at a later call, or when the calls end), never by synchronising the device."""
-    from metainfer.api import CallTimes
+    from metainfer.runtime.optimized import CallTimes
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     FakeEvent.done = False

@@ -205,7 +205,7 @@ def expert_parallel_graph():
     one process)."""
     import torch.distributed as dist
 
-    from metainfer import model_capture as capture
+    from metainfer.runtime import model_capture as capture
     from metainfer.parallel import distributed, sharding
 
     with distributed.fake_job(2):

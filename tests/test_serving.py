@@ -63,14 +63,14 @@ def test_greedy_tokens_equal_the_plain_engine(arch, attn, extra):
     # one graph for steps of several tokens (prefill chunks after nothing or after cached keys, mixed,
     # decode steps of several requests), one for steps of one token (the last request decoding alone)
     assert len(report.sections) == 2 and {s.phase for s in report.sections} == {"prefill", "decode"}, report.compiles()
-    assert opt._serve_compile.eager_steps == 0, "every step ran the graph"
+    assert opt.serving_compile.eager_steps == 0, "every step ran the graph"
     assert any("paged_attention over the engine's KV pool" in n for n in report.notes)
     assert model.config._attn_implementation == attn, "the model's attention is restored"
     # the same steps eagerly: the model's forward with metainfer's attention and cache update, no graph
     eager = metainfer.optimize(model, "cpu", lowering="aot_eager", serve_compile="never")
     out = eager.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     assert tokens(out) == tokens(plain)
-    assert not eager.report.sections and eager._serve_compile.eager_steps > 0
+    assert not eager.report.sections and eager.serving_compile.eager_steps > 0
 
 
 def test_bad_requests_fail_alone():
@@ -199,14 +199,14 @@ def test_serving_compiles_once_it_pays(tmp_path, monkeypatch):
     always = metainfer.optimize(model, "cpu", lowering="aot_eager", cache_dir=tmp_path, serve_compile="always")
     always.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     auto = metainfer.optimize(model, "cpu", lowering="aot_eager", cache_dir=tmp_path)
-    seconds, source = auto._serve_compile.predicted_compile_seconds()
+    seconds, source = auto.serving_compile.predicted_compile_seconds()
     assert source.startswith("measured") and seconds > 0
     monkeypatch.setattr(serve_compile, "BUDGET", 1e6)  # every compile pays: the switch after the first step
     out = auto.generate_batch(reqs, generation_config=GREEDY, continuous_batching_config=ContinuousBatchingConfig(**SMALL))
     assert tokens(out) == plain
     # each step shape (several tokens; one token, if a request decoded alone) ran eagerly once, then compiled
-    shapes = auto._serve_compile.compiled
-    assert len(auto.report.sections) == len(shapes) == auto._serve_compile.eager_steps >= 1
+    shapes = auto.serving_compile.compiled
+    assert len(auto.report.sections) == len(shapes) == auto.serving_compile.eager_steps >= 1
     assert "steps of several tokens: compiled after 1 eager steps: predicted compile" in auto.report.notes[-1]
 
 

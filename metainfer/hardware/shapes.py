@@ -114,7 +114,7 @@ class ModelShape:
 
 
 # FP8 block scales: one float32 per 128 x 128 block
-_FP8_BYTES = 1 + 4 / (128 * 128)
+FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)
 
 
 def from_models(name_or_config) -> ModelShape:
@@ -138,7 +138,7 @@ def from_models(name_or_config) -> ModelShape:
             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, experts=cfg.n_routed_experts,
             experts_per_token=cfg.n_activated_experts, expert_intermediate=cfg.moe_inter_dim,
             shared_intermediate=cfg.n_shared_experts * cfg.moe_inter_dim, dense_layers=cfg.n_dense_layers,
-            weight_bytes=_FP8_BYTES if cfg.fp8 else 2.0)
+            weight_bytes=FP8_BLOCK_BYTES if cfg.fp8 else 2.0)
     raise TypeError(f"not a models/ config: {type(cfg).__name__}")
 
 
@@ -184,7 +184,7 @@ def from_hf(config) -> ModelShape:
     quant = data.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8" or "float8" in str(quant.get("fmt", ""))
     common = dict(name=str(name), hidden=hidden, layers=layers, vocab=need("vocab_size"), heads=heads,
-                  max_context=data.get("max_position_embeddings") or 4096, weight_bytes=_FP8_BYTES if fp8 else 2.0)
+                  max_context=data.get("max_position_embeddings") or 4096, weight_bytes=FP8_BLOCK_BYTES if fp8 else 2.0)
     experts = data.get("n_routed_experts") or data.get("num_local_experts") or data.get("num_experts") or 0
     moe = {}
     if experts:

@@ -68,7 +68,7 @@ class ServingCompile:
         self.eager = {shape: [0.0, 0, 0] for shape in self.SHAPES}  # seconds, tokens, steps served eagerly
         self.job = False  # a tensor-parallel job's rank: compiled at the first step
         self.failure: str | None = None  # why the graph could not be compiled
-        self._dir = Path(opt._backend.cache_dir) / "serving"
+        self._dir = Path(opt.cache_dir) / "serving"
         self._key_cache: str | None = None
         self._predicted: tuple[float, str] | None = None  # read from the records once, until one is stored
 
@@ -157,7 +157,7 @@ class ServingCompile:
 
     def _predict(self) -> tuple[float, str]:
         own = self._load(self._key)
-        lowering = self._opt._backend.lowering
+        lowering = self._opt.lowering
         cached = lowering == "aot_eager" or (self._dir.parent / "inductor").is_dir()  # not cleared since
         if own.get("warm") is not None and cached:
             return own["warm"], "measured: this model's last compile from a warm cache"
@@ -192,7 +192,7 @@ class ServingCompile:
         config = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else ""
         param = next(model.parameters())
         parts = (type(model).__qualname__, config, str(param.dtype), param.device.type, opt.target.name,
-                 opt._backend.lowering, ",".join(p.name for p in opt._backend.passes), torch.__version__,
+                 opt.lowering, ",".join(opt.pass_names), torch.__version__,
                  triton.__version__, __version__)
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
@@ -215,8 +215,8 @@ class ServingCompile:
         self._predicted = None
         data = self._load(self._key)
         data.update({kind: round(seconds, 3), "layers": _layers(self._opt.model),
-                     "lowering": self._opt._backend.lowering, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        if self._opt._backend.lowering == "aot_eager":
+                     "lowering": self._opt.lowering, "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        if self._opt.lowering == "aot_eager":
             data["warm"] = data["cold"] = round(seconds, 3)  # nothing on disk to reuse: every compile is cold
         try:
             self._dir.mkdir(parents=True, exist_ok=True)

@@ -341,8 +341,8 @@ def forwards(opt, paged: bool, total: int | None = None):
     from metainfer.parallel import distributed
 
     if distributed.tp_mesh(opt.model) is not None:
-        opt._serve_compile.in_a_job()
-    with opt._installed(lambda kw, n: (lambda: step_label(kw)), step=step):
+        opt.serving_compile.in_a_job()
+    with opt.installed(lambda kw, n: (lambda: step_label(kw)), step=step):
         yield step
 
 
@@ -426,7 +426,7 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
         opt.report.notes.append(f"serving run: {len(good)} requests, {steps.steps} steps, {steps.tokens} query tokens "
                                 f"computed; {max(0, reused)} of {prompt_tokens} prompt tokens "
                                 f"({max(0, reused) / max(1, prompt_tokens):.0%}) reused from cached prefix blocks")
-        opt.report.notes.append(opt._serve_compile.note())
+        opt.report.notes.append(opt.serving_compile.note())
     ordered = {}
     for i, p in enumerate(prompts):
         if problems[i] is not None:
@@ -456,7 +456,7 @@ class Manager:
         # engine starts (it keeps the attention it finds); start() adds the forwards on `_running`
         self._held, self._running = contextlib.ExitStack(), contextlib.ExitStack()
         self._paged = self._held.enter_context(attention(opt))
-        self._admitted = 0  # prompt tokens
+        self.admitted_tokens = 0  # prompt tokens admitted so far (the server's prefix-hit gauge reads it)
         try:
             self._manager = opt.model.init_continuous_batching(generation_config=generation_config,
                                                               continuous_batching_config=cfg, workload_hints=hints)
@@ -498,8 +498,8 @@ class Manager:
                 self.speculation.close()
             if steps is not None and steps.steps:
                 _note(self._opt, f"serving run: {steps.steps} steps, {steps.tokens} query tokens computed for "
-                                 f"{self._admitted} prompt tokens admitted (streaming)")
-                _note(self._opt, self._opt._serve_compile.note())
+                                 f"{self.admitted_tokens} prompt tokens admitted (streaming)")
+                _note(self._opt, self._opt.serving_compile.note())
 
     def _problem(self, input_ids, max_new_tokens) -> str | None:
         max_new = self._manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -512,7 +512,7 @@ class Manager:
         why = self._problem(input_ids, max_new_tokens)
         if why is not None:
             raise ValueError(f"request refused: {why}")
-        self._admitted += len(input_ids)
+        self.admitted_tokens += len(input_ids)
         manager = self._manager
         if n > 1 and request_id is None:
             raise ValueError("a request of several sequences needs its request_id (its sequences' ids derive from it)")
@@ -522,12 +522,12 @@ class Manager:
             # pages) it schedules an empty step, which fails (transformers 5.25): n requests instead
             for one in self.request_ids(request_id, n):
                 manager.add_request(input_ids, request_id=one, max_new_tokens=max_new_tokens, **kwargs)
-            self._admitted += (n - 1) * len(input_ids)
+            self.admitted_tokens += (n - 1) * len(input_ids)
             return request_id
         # the engine reads num_return_sequences here only, into the request's number of children;
         # requests are added from one thread (the server's loop), so setting it around the call is safe
         manager.num_return_sequences = n
-        self._admitted += n - 1  # each child computes the held-back last prompt token itself
+        self.admitted_tokens += n - 1  # each child computes the held-back last prompt token itself
         try:
             return manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
         finally:
@@ -553,7 +553,7 @@ class Manager:
         bad = [(i, why) for i, p in enumerate(inputs) if (why := self._problem(p, max_new_tokens)) is not None]
         if bad:
             raise ValueError("requests refused, none queued: " + "; ".join(f"input {i}: {why}" for i, why in bad))
-        self._admitted += sum(len(p) for p in inputs)
+        self.admitted_tokens += sum(len(p) for p in inputs)
         return self._manager.add_requests(inputs, max_new_tokens=max_new_tokens, **kwargs)
 
     def _sample_in_metainfer(self, cfg) -> None:
@@ -585,7 +585,7 @@ class Manager:
             processor = make()
             scheduler = processor.scheduler
             clear = scheduler.clear_cancelled_requests
-            if getattr(clear, "_metainfer", False):
+            if getattr(clear, "metainfer_wrapped", False):
                 return processor
 
             def clear_and_deliver():
@@ -597,7 +597,7 @@ class Manager:
                     manager.output_router.deliver(state.to_generation_output())
                 return states
 
-            clear_and_deliver._metainfer = True
+            clear_and_deliver.metainfer_wrapped = True
             scheduler.clear_cancelled_requests = clear_and_deliver
             return processor
 

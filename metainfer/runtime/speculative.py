@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metainfer.hardware import planner
+from metainfer.runtime.optimized import OptimizedModel
 
 # OptimizedModel -> (draft model -> stats, weakly; prompt lookup or the target itself -> stats)
 _STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -419,8 +420,6 @@ def prepare(opt, args: tuple, kwargs: dict, draft_length, batch: int = 1) -> Spe
     lives); the kwargs are edited for the engine (Hugging Face: the assistant's model, not its
     wrapper; a models/ loop: `speculate=` this object). `batch`: the prompt's rows; the MTP loop
     takes one, so a batch runs the plain loop unless a draft length was asked for."""
-    OptimizedModel = type(opt)  # the API's class: this runtime layer does not import the API
-
     configs = [c for c in (kwargs.get("generation_config"), getattr(opt.model, "generation_config", None)) if c is not None]
     assistant = kwargs.get("assistant_model")
     lookup = kwargs.get("prompt_lookup_num_tokens",

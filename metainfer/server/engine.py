@@ -388,7 +388,7 @@ class Engine:
 
     def _prefix_hit(self) -> float:
         steps = getattr(self.manager, "steps", None)
-        admitted = self.manager._admitted
+        admitted = self.manager.admitted_tokens
         if steps is None or not admitted:
             return 0.0
         spec = getattr(self.manager, "speculation", None)

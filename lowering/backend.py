@@ -14,15 +14,19 @@ the caches off so the report is never empty.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch._dynamo.utils import counters
 
 from metainfer.passes import PassManager
+from metainfer.passes.options import resolve as resolve_options
 
 from metainfer.kernels import configs as kernel_configs, symm_mem
 
@@ -161,6 +165,7 @@ class MetainferBackend:
         self.explicit = explicit
         self.lowering = lowering
         self.options = dict(options or {})
+        resolve_options(target, self.options, self.passes)  # a misspelt or ill-typed option fails here, not at a compile
         self.cache_dir = compile_cache.cache_dir(cache_dir)
         self.report = report  # metainfer.report.Report (or anything with a `sections` list)
         self.capture = capture  # keep (graph, inputs) per section, for bisection

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 
 import torch
 
-from metainfer.model_capture import capturable, translate
+from metainfer.runtime.model_capture import capturable, translate
 from metainfer.passes import PassManager, resolve
+from metainfer.passes.options import resolve as resolve_options
 from metainfer.lowering.section import GraphSection
 from metainfer.report import Report
 
@@ -93,6 +94,7 @@ class _AnalysisBackend:
     def __init__(self, report: Report, passes, disabled, explicit: bool, options):
         self.report, self.passes, self.disabled, self.explicit = report, passes, disabled, explicit
         self.options = dict(options or {})
+        resolve_options(report.target, self.options, passes)  # a bad option fails before any capture
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
         from metainfer.lowering.capture import post_grad

@@ -387,9 +387,16 @@ def cmd_cache(a) -> int:
 def cmd_passes(a) -> int:
     from metainfer import passes
 
+    from metainfer.passes import options
+
     for name in passes.pass_names():
         p = passes.get_pass(name)
         print(f"{name:20s} {p.summary}")
+        for o in p.options:
+            print(f"{'':20s}   option {o.describe()}")
+    print("pass manager options (optimize(pass_options=...) or a target's [passes] table):")
+    for o in options.MANAGER_OPTIONS:
+        print(f"{'':20s}   option {o.describe()}")
     return 0
 
 

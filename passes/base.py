@@ -6,6 +6,7 @@ import hashlib
 import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch.fx
@@ -38,11 +39,13 @@ class PassResult:
 class PassContext:
     target: Target
     graph_index: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
+    # every declared pass option's value (passes/options.py resolves them once per pipeline)
+    options: Mapping[str, Any] = field(default_factory=dict)
     later: tuple = ()  # the passes that will run after this one on this graph (see passes/lookahead.py)
     # the manager's price of a graph for this pass's decisions: the predicted step after this
     # pipeline's later communication passes ran on a copy (PassManager.price_after_later)
     price: Any = None
+    lookahead: bool = False  # running on a copy to price a later pass's choice: no exchanges between ranks
 
 
 class Pass:
@@ -58,6 +61,7 @@ class Pass:
     # loop) with a custom op: the manager keeps the rewrite only where the cost model predicts
     # the graph no slower with it, on targets that say what a custom-op call costs (PassManager)
     cost_gated: bool = False
+    options: tuple = ()  # the passes.options.Option settings it reads from ctx.options
 
     def skip_reason(self, target: Target, explicit: bool = False) -> str | None:
         """None if the pass should run for `target`, else why not. A pass the user named
@@ -188,6 +192,10 @@ def register(cls: type[Pass]) -> type[Pass]:
         raise ValueError(f"a pass named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def registered_classes() -> list[type[Pass]]:
+    return list(_REGISTRY.values())
 
 
 def pass_names() -> list[str]:

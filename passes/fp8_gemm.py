@@ -21,6 +21,7 @@ import torch
 from metainfer.kernels.fp8_gemm import scale_layout
 
 from .base import MatchPass, PassContext, register
+from .options import Option
 from .fp8_dequant import Dequant, NotDequant, find_dequant
 from .matching import (
     FLOAT_DTYPES, Node, aten, dtype, insert_call, is_op, linear_operands, location, shape, untransposed,
@@ -31,11 +32,8 @@ MODES = ("w8a16", "w8a8")
 
 
 def fp8_mode(ctx: PassContext) -> str:
-    """The FP8 GEMM mode: pass_options first, then the target's [passes] table, else w8a16."""
-    mode = ctx.options.get("fp8_mode", ctx.target.pass_options.get("fp8_mode", "w8a16"))
-    if mode not in MODES:
-        raise ValueError(f"fp8_mode must be one of {MODES}, got {mode!r}")
-    return mode
+    """The FP8 GEMM mode (pass_options, else the target's [passes] table, else w8a16)."""
+    return ctx.options["fp8_mode"]
 
 
 @dataclass
@@ -52,6 +50,8 @@ class FP8GEMM(MatchPass):
     """dequant(FP8 weight, block scales) + linear -> metainfer::fp8_linear (no bf16 weight copy)"""
 
     name = "fp8_gemm"
+    options = (Option("fp8_mode", str, "w8a16", "w8a16: FP8 weights, activations in their dtype; w8a8: activations "
+                      "quantised per token to FP8 too (faster on FP8 tensor cores, rounds more)", choices=MODES),)
     missed = "FP8 GEMM not replaced"
     misses = (NotDequant,)
 

@@ -16,7 +16,6 @@ from .base import PassContext
 
 COMMUNICATION_PASSES = ("sequence_parallel", "two_batch_overlap", "pipeline_collectives", "select_collectives",
                         "overlap_collectives")
-LOOKAHEAD_OPTION = "_lookahead"  # set while passes run on a copy: no exchanges between ranks
 
 
 def copy_graph(graph: torch.fx.Graph, node_map: "dict | None" = None) -> torch.fx.Graph:
@@ -27,7 +26,9 @@ def copy_graph(graph: torch.fx.Graph, node_map: "dict | None" = None) -> torch.f
 
 
 def in_lookahead(ctx: PassContext) -> bool:
-    return bool(ctx.options.get(LOOKAHEAD_OPTION))
+    """Whether the pass runs on a copy, pricing an earlier pass's choice: it exchanges nothing
+    between ranks."""
+    return ctx.lookahead
 
 
 def later_passes(ctx: PassContext) -> list:

@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from metainfer.hardware.fxops import is_c10d
 from . import ranks
 from .base import Pass, PassContext, PassResult
 from .matching import shape, tensor_val
+from .options import resolve as resolve_options
 
 PIPELINE_VERSION = "1"
 
@@ -137,13 +139,14 @@ class PassManager(CustomGraphPass):
     """Runs `passes` in order on a graph; `records` holds what the last run did."""
 
     def __init__(self, passes: list[Pass], target, *, disabled=(), explicit: bool = False,
-                 options: dict | None = None, graph_index: int = 0, keep_graphs: bool = True,
-                 simulate: bool = True):
+                 options: Mapping[str, Any] | None = None, graph_index: int = 0, keep_graphs: bool = True,
+                 simulate: bool = True, lookahead: bool = False):
         self.passes = list(passes)
         self.explicit = explicit
         self.target = target
         self.disabled = set(disabled)
-        self.options = dict(options or {})
+        self.options = resolve_options(target, options, self.passes)  # every declared option, checked
+        self.lookahead = lookahead
         self.graph_index = graph_index
         self.keep_graphs = keep_graphs
         self.simulate = simulate  # predict the graph's time on the target before and after each pass
@@ -152,7 +155,8 @@ class PassManager(CustomGraphPass):
         self.simulation_error: str | None = None
         self.invocations = 0
         job = ranks.job_identity()  # each rank compiles (and agrees) for itself
-        self._uuid = pipeline_fingerprint(self.passes, self.disabled, target, {**self.options, "explicit": explicit, **job})
+        self._uuid = pipeline_fingerprint(self.passes, self.disabled, target,
+                                          {**self.options, "explicit": explicit, "lookahead": lookahead, **job})
 
     def uuid(self) -> str:
         return self._uuid
@@ -163,7 +167,8 @@ class PassManager(CustomGraphPass):
 
     def run(self, graph: torch.fx.Graph) -> list[PassRecord]:
         records = []
-        ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options)
+        ctx = PassContext(target=self.target, graph_index=self.graph_index, options=self.options,
+                          lookahead=self.lookahead)
         self.simulation_error = None
         schedule = self._predict(graph)
         unsharded = not any(is_c10d(n) for n in graph.nodes)
@@ -233,13 +238,13 @@ class PassManager(CustomGraphPass):
         nothing between ranks): what a communication pass compares its alternatives by."""
         from metainfer.hardware.simulate import simulate
 
-        from .lookahead import COMMUNICATION_PASSES, LOOKAHEAD_OPTION, copy_graph
+        from .lookahead import COMMUNICATION_PASSES, copy_graph
 
         comm = [p for p in later if p.name in COMMUNICATION_PASSES]
         if comm:
             graph = copy_graph(graph)
-            PassManager(comm, self.target, explicit=True, options={**self.options, LOOKAHEAD_OPTION: True},
-                        keep_graphs=False, simulate=False)(graph)
+            PassManager(comm, self.target, explicit=True, options=self.options, keep_graphs=False,
+                        simulate=False, lookahead=True)(graph)
         return simulate(graph, self.target).step_seconds
 
     def _declined_by_cost(self, p: Pass, graph: torch.fx.Graph, ctx: PassContext, schedule) -> str | None:
@@ -248,7 +253,7 @@ class PassManager(CustomGraphPass):
         Only on a target that says what a custom-op call costs (`custom_op_overhead_us`, which
         `metainfer calibrate` measures): without it the model cannot weigh a custom op against
         the kernels the lowering would generate. Option `cost_gates=False` turns the gate off."""
-        if (not p.cost_gated or schedule is None or not self.options.get("cost_gates", True)
+        if (not p.cost_gated or schedule is None or not self.options["cost_gates"]
                 or not self.target.device.knows_custom_op_costs):
             return None
         from .lookahead import copy_graph

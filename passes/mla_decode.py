@@ -28,6 +28,7 @@ import torch
 
 from . import base
 from .base import MatchPass, register
+from .options import Option
 from .matching import (
     VIEW_OPS, Node, aten, arg, dtype, insert_call, is_op, linear_operands, location, peel, same, shape, untransposed, escaping_uses,
     sizes_available,
@@ -46,6 +47,8 @@ class MLADecode(MatchPass):
     """MLA attention over a decompressed latent cache -> absorbed form + metainfer::mla_decode"""
 
     name = "mla_decode"
+    options = (Option("mla_decode", bool, False, "absorb every MLA decode site, paying or not (to measure the "
+                      "alternative)"),)
 
     missed = "MLA decode not absorbed"
     misses = (NearMiss,)
@@ -68,7 +71,7 @@ class MLADecode(MatchPass):
     def refuse(self, node, site, state):
         key = _signature(node, site)
         if key not in state.decided:
-            state.decided[key] = ((True, "forced (pass option mla_decode)") if state.ctx.options.get("mla_decode")
+            state.decided[key] = ((True, "forced (pass option mla_decode)") if state.ctx.options["mla_decode"]
                                   else _pays(state.graph, node, site, state.ctx.target))
         pays, site["why"] = state.decided[key]
         return None if pays else f"MLA kept decompressed: {site['why']}"

@@ -33,6 +33,7 @@ from metainfer.hardware.simulate import COLLECTIVE_OPS, GraphTimeline, group_nam
 
 from . import ranks
 from .base import Pass, PassContext, PassResult, register
+from .options import Option
 from .matching import Node, location, tensor_val
 
 OVERLAP_MEMORY_FRACTION = 0.02  # of device memory: what re-ordering may add to the live activations
@@ -175,11 +176,9 @@ def peak_live_bytes(order: list[Node]) -> float:
 
 
 def memory_bound(ctx: PassContext, before_peak: float) -> float:
-    given = ctx.options.get("overlap_memory_bytes", ctx.target.pass_options.get("overlap_memory_bytes"))
+    given = ctx.options["overlap_memory_bytes"]
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or given < 0:
-            raise ValueError(f"overlap_memory_bytes must be a non-negative number, got {given!r}")
-        return float(given)
+        return given
     return before_peak + OVERLAP_MEMORY_FRACTION * ctx.target.device.memory_bytes
 
 
@@ -252,6 +251,9 @@ class OverlapCollectives(Pass):
     """collective ... wait(collective) -> collective issued early, wait late, independent compute between"""
 
     name = "overlap_collectives"
+    options = (Option("overlap_memory_bytes", float, None, "the most live activation bytes a re-ordered schedule "
+                      f"may hold (unset: the graph's peak + {OVERLAP_MEMORY_FRACTION:.0%} of device memory)",
+                      minimum=0),)
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:

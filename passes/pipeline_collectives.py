@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
+from .options import Option
 from .matching import Node, insert_call, is_op, is_reshape, location, peel, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
@@ -78,6 +79,8 @@ class PipelineCollectives(Pass):
     """collective beside a matmul (all-reduce / reduce-scatter after it, all-gather before it) -> k token chunks overlapping each other"""
 
     name = "pipeline_collectives"
+    options = (Option("pipeline_chunks", int, None, "split every pipelined collective into this many chunks "
+                      "(unset: the cost model's choice per site)", choices=K_CHOICES),)
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:
@@ -85,9 +88,7 @@ class PipelineCollectives(Pass):
         if not (dist.is_available() and dist.is_initialized()):
             return res
         target = ctx.target
-        forced = ctx.options.get("pipeline_chunks")
-        if forced is not None and forced not in K_CHOICES:
-            raise ValueError(f"pipeline_chunks must be one of {K_CHOICES}, got {forced!r}")
+        forced = ctx.options["pipeline_chunks"]
         kinds = {c10d.all_reduce.default: "all_reduce", c10d.reduce_scatter_tensor.default: "reduce_scatter",
                  c10d.all_gather_into_tensor.default: "all_gather"}
         unchanged = None

@@ -41,6 +41,7 @@ from metainfer.hardware import cost
 
 from . import ranks
 from .base import Pass, PassContext, PassResult, register
+from .options import Option
 from .matching import Node, insert_call, location, shape, tensor_val
 
 c10d = torch.ops._c10d_functional
@@ -58,12 +59,8 @@ TRANSPORT = {"bf16": torch.bfloat16}
 
 
 def transport_dtype(ctx: PassContext) -> torch.dtype | None:
-    name = ctx.options.get("all_reduce_dtype", ctx.target.pass_options.get("all_reduce_dtype"))
-    if name is None:
-        return None
-    if name not in TRANSPORT:
-        raise ValueError(f"all_reduce_dtype must be one of {sorted(TRANSPORT)} (or unset), got {name!r}")
-    return TRANSPORT[name]
+    name = ctx.options["all_reduce_dtype"]
+    return None if name is None else TRANSPORT[name]
 
 
 def _group(name: str):
@@ -143,6 +140,8 @@ class SelectCollectives(Pass):
     """all_reduce (all_gather, reduce_scatter) -> the algorithm or path the cost model picks for its size on the target"""
 
     name = "select_collectives"
+    options = (Option("all_reduce_dtype", str, None, "send float32 all-reduces in this dtype (halves the bytes; "
+                      "rounds the sum, docs/passes.md; unset: as computed)", choices=tuple(TRANSPORT)),)
     needs_collectives = True
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> PassResult:

@@ -41,7 +41,9 @@ def test_uuid_is_stable_and_tracks_the_pipeline():
     assert a != PassManager([get_pass("fuse_attention"), get_pass("fuse_rope")], t).uuid()
     assert a != PassManager([get_pass("fuse_attention")], t, disabled={"fuse_attention"}).uuid()
     assert a != PassManager([get_pass("fuse_attention")], targets.get("cuda")).uuid()
-    assert a != PassManager([get_pass("fuse_attention")], t, options={"x": 1}).uuid()
+    assert a != PassManager([get_pass("fuse_attention")], t, options={"cost_gates": False}).uuid()
+    # an option given at its default is the same pipeline as one left out
+    assert a == PassManager([get_pass("fuse_attention")], t, options={"cost_gates": True}).uuid()
 
 
 def test_inductor_cache_hit_still_reports(tmp_path, monkeypatch):

@@ -254,7 +254,7 @@ def _weights_per_device(m: ModelShape, p: Plan) -> float:
     return stage_layers * (per_layer + dense + moe) + (2 * embed if p.pp == 1 else embed)
 
 
-def _activation_per_token(m: ModelShape, p: Plan) -> float:
+def activation_per_token(m: ModelShape, p: Plan) -> float:
     """Live activations per token inside one layer (fused attention: no score matrix)."""
     width = max(m.intermediate / p.tp, m.experts_per_token * m.expert_intermediate if m.moe else 0)
     heads = m.heads / p.tp
@@ -273,7 +273,7 @@ def kv_per_token(m: ModelShape, p: Plan) -> float:
 def capacity(m: ModelShape, p: Plan, target, chunk_tokens: int, logits_rows: int) -> Capacity:
     mem = target.device.memory_bytes * MEMORY_UTILIZATION
     weights = _weights_per_device(m, p)
-    act = chunk_tokens * _activation_per_token(m, p) + logits_rows * m.vocab / p.tp * 4
+    act = chunk_tokens * activation_per_token(m, p) + logits_rows * m.vocab / p.tp * 4
     budget = mem - weights - act
     per_token = kv_per_token(m, p)
     tokens = int(budget // per_token) if budget > 0 else 0

@@ -73,7 +73,7 @@ def choose_capacity(opt, request_tokens: list[int] | None, page_size: int = 256,
     mesh = distributed.tp_mesh(model)
     plan = planner.Plan(tp=mesh.size() if mesh is not None else 1, dp=1, pp=1, ep=1)
     kv_per_token = planner.kv_per_token(shape, plan)  # this rank's heads (the MLA latent whole)
-    act_per_token = planner._activation_per_token(shape, plan)
+    act_per_token = planner.activation_per_token(shape, plan)
     # logits rows of one step (float32): the engine plans for its 1024 requests a step when the
     # workload is not known
     rows = len(request_tokens) if request_tokens else 1024

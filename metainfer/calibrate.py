@@ -30,8 +30,9 @@ What is measured (each the median of repeated timings after a warm-up):
   a 4 MiB all-reduce runs beside a matmul of about its length when issued asynchronously
   before it (the target's [collectives] overlap). Each rank uses its share of the cores.
 
-The TOML keeps the base target's structure (the cpu target: one device) and replaces its
-numbers with the measured ones, each with a comment saying what was measured and when.
+The calibrated Target (`calibrated`) keeps the base target's structure (the cpu target: one
+device) with the measured numbers in place of its own; `to_toml` writes it through the target
+schema (targets.to_toml), each figure under a comment saying what was measured and when.
 """
 
 from __future__ import annotations
@@ -526,9 +527,7 @@ def measure(base: "targets.Target", ranks: list[int] = (2,), quick: bool = False
     m.kernel_overhead_us = _guarded(guard, measure_kernel_overhead, "per-kernel overhead")
     m.custom_op_overhead_us = _guarded(guard, measure_custom_op_overheads, "custom-op overheads")
     progress("custom ops against their roofline ...")
-    import tomllib
-
-    provisional = targets.from_dict(tomllib.loads(to_toml(m, base)), "calibration in progress")
+    provisional = calibrated(m, base, "calibration in progress")
     m.custom_op_slowdown = _guarded(guard, lambda: measure_custom_op_slowdowns(provisional, m.custom_op_overhead_us),
                                     "custom ops against their roofline")
     if ranks:
@@ -546,106 +545,124 @@ def _default_overhead(per_op: dict[str, float]) -> float:
     return pointwise[len(pointwise) // 2] if pointwise else 0.0
 
 
-def to_toml(m: Measurements, base: "targets.Target") -> str:
-    """The base target's TOML with the measured numbers in place of its own."""
-    from metainfer.hardware import targets
+def _shown(x: float, digits: int) -> float:
+    """`x` as the TOML shows it: `digits` significant digits."""
+    return float(f"{x:.{digits}g}")
 
-    t = targets.required(base, "calibrate.to_toml")
-    fp32 = m.matmul_gflops["fp32 large"]
-    bf16 = max(v for k, v in m.matmul_gflops.items() if k.startswith("bf16"))
+
+def _link_fit(m: Measurements) -> "tuple[int, dict] | None":
+    """(ranks, fit) of the all-reduce fit over the fewest ranks (the others share the cores it has)."""
+    fits = sorted((int(k.split()[1]), v) for k, v in m.collectives.items() if k.startswith("all_reduce "))
+    return fits[0] if fits else None
+
+
+def calibrated(m: Measurements, base: "targets.Target", source: str = "measured by metainfer calibrate"
+               ) -> "targets.Target":
+    """The base target with the measured numbers in place of its own, each rounded as the TOML
+    shows it. It keeps the base's name (with -calibrated), device name, memory size, islands,
+    P2P, interconnect and backend; a figure not measured keeps the base's link or takes its
+    default."""
+    from metainfer.hardware import targets
+    from metainfer.hardware.machine import Machine
+
+    t = targets.required(base, "calibrate")
+
+    def link(fit: dict) -> "targets.LinkSpec":
+        return targets.LinkSpec(bandwidth=_shown(fit["beta_gbs"], 4) * 1e9, latency_s=_shown(fit["alpha_us"], 3) * 1e-6)
+
+    fp32 = _shown(m.matmul_gflops["fp32 large"] / 1e3, 6) * 1e12
+    half = _shown(max(v for k, v in m.matmul_gflops.items() if k.startswith("bf16")) / 1e3, 6) * 1e12
+    device = targets.DeviceSpec(
+        kind=t.device.kind, name=t.device.name,
+        # tf32 and fp8: a CPU runs both as fp32 (calibrate measures CPUs)
+        peak_flops={"fp32": fp32, "tf32": fp32, "bf16": half, "fp16": half, "fp8": fp32},
+        memory_bytes=_shown(t.device.memory_bytes / 2**30, 4) * 2**30,
+        memory_bandwidth=_shown(m.copy_gbs, 4) * 1e9,
+        launch_overhead_s=_shown(m.kernel_overhead_us, 3) * 1e-6,
+        custom_op_overhead_s=_shown(_default_overhead(m.custom_op_overhead_us), 3) * 1e-6,
+        custom_op_overheads={k: _shown(v, 3) * 1e-6 for k, v in m.custom_op_overhead_us.items()},
+        custom_op_slowdown={k: _shown(v, 3) for k, v in m.custom_op_slowdown.items()},
+        cache_bytes=_shown(m.cache_mib, 4) * 2**20 if m.cache_mib else 0.0,
+        cache_bandwidth=_shown(m.cache_gbs, 4) * 1e9 if m.cache_mib else 0.0,
+        memory_overlap=_shown(m.memory_overlap, 3),
+        stream_bandwidth=_shown(m.stream_gbs_beyond_cache, 4) * 1e9 if m.stream_gbs_beyond_cache else 0.0,
+    )
+    fit = _link_fit(m)
+    base_link = t.topology.intra_island
+    topology = targets.Topology(
+        islands=t.topology.islands, p2p=t.topology.p2p, interconnect=t.topology.interconnect,
+        intra_island=link(fit[1]) if fit else targets.LinkSpec(bandwidth=_shown(base_link.bandwidth / 1e9, 4) * 1e9,
+                                                                latency_s=_shown(base_link.latency_s * 1e6, 3) * 1e-6),
+        inter_island=t.topology.inter_island)
+    # the other kinds fitted on their own, over the same ranks as the link (sorted, as a TOML reads)
+    world = fit[0] if fit else None
+    own = {kind: link(m.collectives[f"{kind} {world}"]) for kind in ("all_gather", "reduce_scatter")
+           if f"{kind} {world}" in m.collectives}
+    shm = {kind: link(m.collectives[f"shm {kind} {world}"]) for kind in ("all_gather", "all_reduce", "reduce_scatter")
+           if f"shm {kind} {world}" in m.collectives}
+    fp = m.fingerprint
+    return targets.Target(
+        name=f"{t.name}-calibrated", description=f"{t.description}, calibrated {m.when}", num_devices=t.num_devices,
+        device=device, topology=topology, collective_backend=t.collective_backend, source=source,
+        # the fewest ranks', as for the link
+        comm_overlap=_shown(m.comm_overlap[min(m.comm_overlap, key=int)], 3) if m.comm_overlap else 1.0,
+        collective_links=own, shm_links=shm,
+        machine=Machine(**{**fp, "flags": tuple(fp["flags"])}) if fp else None)
+
+
+def provenance(m: Measurements, base: "targets.Target") -> tuple[list[str], dict[str, list[str]]]:
+    """The comments of a calibrated target's TOML: header lines, and lines above each key by its
+    path, saying what was measured."""
+    header = [f"{base.name} calibrated by `metainfer calibrate` on {m.machine}, {m.when},",
+              f"torch with {m.torch_threads} threads. Every number below was measured then.",
+              *([_noise_words(m.noise)] if m.noise else [])]
     classes = ", ".join(f"{k} {v:.1f}" for k, v in m.matmul_gflops.items())
-    # the link: the all-reduce fit over the fewest ranks (the others share the cores it has)
-    ar = sorted((int(k.split()[1]), v) for k, v in m.collectives.items() if k.startswith("all_reduce "))
-    link = (ar[0][1]["beta_gbs"], ar[0][1]["alpha_us"]) if ar else None
-    lines = [
-        f"# {t.name} calibrated by `metainfer calibrate` on {m.machine}, {m.when},",
-        f"# torch with {m.torch_threads} threads. Every number below was measured then.",
-        *([f"# {_noise_words(m.noise)}"] if m.noise else []),
-        f'name = "{t.name}-calibrated"',
-        f'description = "{t.description}, calibrated {m.when}"',
-        f"num_devices = {t.num_devices}",
-        "",
-        "[device]",
-        f'kind = "{t.device.kind}"',
-        f'name = "{t.device.name}"',
-        f"# GEMM GFLOP/s by class ({classes}); the peak is the large square GEMM's",
-        f"peak_tflops = {{ fp32 = {fp32 / 1e3:.6g}, bf16 = {bf16 / 1e3:.6g}, fp16 = {bf16 / 1e3:.6g} }}",
-        "# a large copy, bytes read + written per second",
-        f"memory_bandwidth_gbs = {m.copy_gbs:.4g}",
-    ]
-    if m.cache_mib:
-        sweep = ", ".join(f"{k} MiB {v:.1f}" for k, v in m.stream_gbs.items())
-        lines += [f"# a cache level: decode matmuls stream weight sets at ({sweep}) GB/s; the level holds the",
-                  "# largest set streaming at least halfway between the fastest and the largest set, at the median",
-                  "# rate of the sets it holds",
-                  f"cache_mib = {m.cache_mib:.4g}", f"cache_bandwidth_gbs = {m.cache_gbs:.4g}"]
-    if m.stream_gbs_beyond_cache:
-        lines += ["# decode matmuls streaming weight sets larger than the cache level (the median of those sets'",
-                  "# rates): how fast a matmul reads operands from memory, which a copy's rate overstates",
-                  f"stream_bandwidth_gbs = {m.stream_gbs_beyond_cache:.4g}"]
-    lines += ["# share of a 128-row matmul's weight reads (512 MiB of weights) hidden under its arithmetic",
-              f"memory_overlap = {m.memory_overlap:.3g}"]
-    lines += [
-        f"memory_gib = {t.device.memory_bytes / 2**30:.4g}",
-        "# per kernel of an Inductor-compiled stack of tiny model-shaped layers (its wrapper's work per kernel)",
-        f"launch_overhead_us = {m.kernel_overhead_us:.3g}",
-        "# per call of each metainfer custom op from a compiled graph, on tiny inputs (default: the",
-        "# pointwise ops' median); *_per_expert: each expert with tokens (a host loop on CPU); grouped_mm_fallback:",
-        "# Hugging Face's experts op on CPU (the library default)",
-        "custom_op_overhead_us = { " + ", ".join(
-            [f"default = {_default_overhead(m.custom_op_overhead_us):.3g}"]
-            + [f"{k} = {v:.3g}" for k, v in m.custom_op_overhead_us.items()]) + " }",
-    ]
-    if m.custom_op_slowdown:
-        lines += [
-            "# each custom op's work measured at a size where it dominates, over its roofline on these numbers",
-            "custom_op_slowdown = { " + ", ".join(f"{k} = {v:.3g}" for k, v in m.custom_op_slowdown.items()) + " }",
-        ]
-    lines += [
-        "",
-        "[topology]",
-        f'interconnect = "{t.topology.interconnect}"',
-        f"islands = {[list(i) for i in t.topology.islands]}",
-        f"p2p = {'true' if t.topology.p2p else 'false'}",
-    ]
-    if link:
+    notes = {
+        "device.peak_tflops": [f"GEMM GFLOP/s by class ({classes}); the peak is the large square GEMM's"],
+        "device.memory_bandwidth_gbs": ["a large copy, bytes read + written per second"],
+        "device.cache_mib": [
+            f"a cache level: decode matmuls stream weight sets at "
+            f"({', '.join(f'{k} MiB {v:.1f}' for k, v in m.stream_gbs.items())}) GB/s; the level holds the",
+            "largest set streaming at least halfway between the fastest and the largest set, at the median",
+            "rate of the sets it holds"],
+        "device.stream_bandwidth_gbs": [
+            "decode matmuls streaming weight sets larger than the cache level (the median of those sets'",
+            "rates): how fast a matmul reads operands from memory, which a copy's rate overstates"],
+        "device.memory_overlap": ["share of a 128-row matmul's weight reads (512 MiB of weights) hidden under its "
+                                  "arithmetic"],
+        "device.launch_overhead_us": ["per kernel of an Inductor-compiled stack of tiny model-shaped layers (its "
+                                      "wrapper's work per kernel)"],
+        "device.custom_op_overhead_us": [
+            "per call of each metainfer custom op from a compiled graph, on tiny inputs (default: the",
+            "pointwise ops' median); *_per_expert: each expert with tokens (a host loop on CPU); grouped_mm_fallback:",
+            "Hugging Face's experts op on CPU (the library default)"],
+        "device.custom_op_slowdown": ["each custom op's work measured at a size where it dominates, over its roofline "
+                                      "on these numbers"],
+        "machine": ["the machine these figures were measured on"],
+    }
+    fit = _link_fit(m)
+    if fit:
         fits = "; ".join(f"{k}: alpha {v['alpha_us']:.1f} us, beta {v['beta_gbs']:.3g} GB/s"
                          for k, v in m.collectives.items() if not k.startswith("shm"))
-        lines += [f"# gloo on 127.0.0.1 fitted to the ring model ({fits})",
-                  f"intra_island = {{ bandwidth_gbs = {link[0]:.4g}, latency_us = {link[1]:.3g} }}"]
-    else:
-        lines += [f"intra_island = {{ bandwidth_gbs = {t.topology.intra_island.bandwidth / 1e9:.4g}, "
-                  f"latency_us = {t.topology.intra_island.latency_s * 1e6:.3g} }}"]
-    lines += ["", "[collectives]", f'backend = "{t.collective_backend}"']
-    if m.comm_overlap:  # the fewest ranks', as for the link
-        world = min(m.comm_overlap, key=int)
-        lines += [f"# share of an all-reduce that ran beside a matmul of its length ({world} ranks; by rank count: "
-                  + ", ".join(f"{k}: {v:.2f}" for k, v in m.comm_overlap.items()) + ")",
-                  f"overlap = {m.comm_overlap[world]:.3g}"]
-    if link:  # the other kinds fitted on their own, over the same ranks as the link
-        world = ar[0][0]
-        own = [(kind, m.collectives[f"{kind} {world}"]) for kind in ("all_gather", "reduce_scatter")
-               if f"{kind} {world}" in m.collectives]
-        if own:
-            lines += ["", "[collectives.links]", f"# each kind fitted to its ring model on its own ({world} ranks)"]
-            lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
-                      for kind, v in own]
-        shm = [(kind, m.collectives[f"shm {kind} {world}"]) for kind in ("all_reduce", "all_gather", "reduce_scatter")
-               if f"shm {kind} {world}" in m.collectives]
-        if shm:
-            lines += ["", "[collectives.shm]",
-                      f"# metainfer's shared-memory path between the ranks of this host ({world} ranks), each kind",
-                      "# fitted to t = latency + bytes / bandwidth (bytes: the buffer; all-gather: its output)"]
-            lines += [f"{kind} = {{ bandwidth_gbs = {v['beta_gbs']:.4g}, latency_us = {v['alpha_us']:.3g} }}"
-                      for kind, v in shm]
-    if m.fingerprint:  # optimize() warns where the target is used on a machine that differs
-        from metainfer.hardware.machine import Machine
+        notes["topology.intra_island"] = [f"gloo on 127.0.0.1 fitted to the ring model ({fits})"]
+        notes["collectives.links"] = [f"each kind fitted to its ring model on its own ({fit[0]} ranks)"]
+        notes["collectives.shm"] = [
+            f"metainfer's shared-memory path between the ranks of this host ({fit[0]} ranks), each kind",
+            "fitted to t = latency + bytes / bandwidth (bytes: the buffer; all-gather: its output)"]
+    if m.comm_overlap:
+        notes["collectives.overlap"] = [
+            f"share of an all-reduce that ran beside a matmul of its length ({min(m.comm_overlap, key=int)} ranks; "
+            "by rank count: " + ", ".join(f"{k}: {v:.2f}" for k, v in m.comm_overlap.items()) + ")"]
+    return header, notes
 
-        fp = m.fingerprint
-        lines += ["", "# the machine these figures were measured on",
-                  *Machine(**{**fp, "flags": tuple(fp["flags"])}).to_toml()]
-    lines.append("")
-    return "\n".join(lines)
+
+def to_toml(m: Measurements, base: "targets.Target") -> str:
+    """The calibrated target's TOML (written through the target schema), each measured figure
+    under a comment saying what was measured."""
+    from metainfer.hardware import targets
+
+    header, notes = provenance(m, base)
+    return targets.to_toml(calibrated(m, base), header=header, notes=notes)
 
 
 def _noise_words(n: dict) -> str:

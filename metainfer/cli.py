@@ -360,6 +360,9 @@ def _speculation(a, device, dtype):
 def cmd_targets(a) -> int:
     from metainfer.hardware import targets
 
+    if a.describe:
+        print(targets.describe())
+        return 0
     if a.json:
         print(json.dumps({n: t.to_dict() for n, t in targets.builtins().items()}, indent=2, default=str))
         return 0
@@ -589,6 +592,8 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("targets", help="list the built-in targets")
     t.add_argument("--json", action="store_true", help="every target's full description as JSON")
+    t.add_argument("--describe", action="store_true", help="every key a target TOML may hold: its unit, what a value "
+                   "must be, what its absence means, what it is for and the Target attribute it fills")
     t.set_defaults(fn=cmd_targets)
 
     p = sub.add_parser("passes", help="list the registered passes")

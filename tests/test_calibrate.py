@@ -56,6 +56,26 @@ def test_the_toml_loads_as_a_target_with_the_measured_numbers(tmp_path):
     assert t.collective_links["reduce_scatter"].latency_s == pytest.approx(250e-6) and "all_gather" not in t.collective_links
 
 
+def test_the_calibrated_target_is_built_directly_and_its_toml_reads_back_as_it():
+    """Issue 52, item 4: calibrate builds the Target from the measurements (no TOML parsed back)
+    and writes it through the target schema, keeping what was measured as comments."""
+    import dataclasses
+    import tomllib
+
+    m = _measured()
+    m.collectives["shm all_reduce 2"] = {"alpha_us": 7.0, "beta_gbs": 4.0, "points_us": {}}
+    m.stream_gbs, m.cache_mib, m.cache_gbs = {"8": 48.0, "512": 18.0}, 96.0, 46.0
+    m.fingerprint = {"cpu": "AMD EPYC", "flags": ["avx2"], "cores": 2, "gpu": "", "sm": "", "driver": ""}
+    built = calibrate.calibrated(m, targets.get("cpu"))
+    text = calibrate.to_toml(m, targets.get("cpu"))
+    assert dataclasses.replace(targets.from_dict(tomllib.loads(text)), source=built.source) == built
+    lines = text.splitlines()
+    assert lines[0].startswith("# cpu calibrated by `metainfer calibrate` on test, 2026-12-03")
+    assert lines[lines.index("# a large copy, bytes read + written per second") + 1] == "memory_bandwidth_gbs = 30"
+    assert any(line.startswith("# gloo on 127.0.0.1 fitted to the ring model (all_reduce 2: alpha 120.0 us")
+               for line in lines)
+
+
 def test_matmuls_stream_at_the_rate_measured_beyond_the_cache_level():
     """Issue 51, item 4: a copy's bandwidth overstated how fast matmuls read weights from memory
     (decode matmuls streamed 8-10 GB/s where a copy moved 34.5). The rate beyond the cache is
@@ -264,8 +284,7 @@ def test_a_calibrated_target_knows_its_machine_and_warns_on_another(tmp_path):
     has_bf16 = "avx512_bf16" in here.flags  # recorded the other way round: this machine lost or gained it
     flags = tuple(f for f in here.flags if f != "avx512_bf16") if has_bf16 else here.flags + ("avx512_bf16",)
     other = dataclasses.replace(here, cpu="Some Other CPU", flags=flags, cores=here.cores + 6)
-    text = path.read_text().split("[machine]")[0] + "\n".join(other.to_toml()) + "\n"
-    (tmp_path / "moved.toml").write_text(text)
+    (tmp_path / "moved.toml").write_text(targets.to_toml(dataclasses.replace(t, machine=other)))
     with pytest.warns(machine.MachineChanged) as seen:
         opt = metainfer.optimize(model, targets.load(tmp_path / "moved.toml"), lowering="aot_eager")
     message = str(seen[0].message)

@@ -29,14 +29,6 @@ class Machine:
     sm: str = ""
     driver: str = ""
 
-    def to_toml(self) -> list[str]:
-        """The `[machine]` table of a calibrated target's TOML."""
-        import json
-
-        lines = ["[machine]", f"cpu = {json.dumps(self.cpu)}", f"flags = {json.dumps(list(self.flags))}",
-                 f"cores = {self.cores}"]
-        return lines + [f"{key} = {json.dumps(getattr(self, key))}" for key in ("gpu", "sm", "driver") if getattr(self, key)]
-
 
 def _cpuinfo() -> tuple[str, set[str]]:
     model, flags = "", set()

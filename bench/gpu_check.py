@@ -415,6 +415,9 @@ def _dispatch(dev, f):
          lambda: K.fp8_gemm.reference(x8, w8, sc, None, bn, bk, False)),
         (lambda: mi.fp8_linear(x8, w8, sc, None, bn, bk, True),
          lambda: K.fp8_gemm.reference(x8, w8, sc, None, bn, bk, True)),
+        # W8A8 with the activations quantised once for several linears (share_act_quant)
+        (lambda: mi.fp8_linear_quantized(x8, *mi.fp8_quantize_activations(x8, 128), w8, s8, None, 128, 128),
+         lambda: K.fp8_gemm.reference(x8, w8, s8, None, 128, 128, True)),
         (lambda: mi.int4_linear(x8, q4, s4, z4, perm, b4, 128),
          lambda: K.int4_gemm.reference(x8, q4, s4, z4, perm, b4, 128)),
         (lambda: mi.int4_linear(x8[:1], q4s, s4s, None, None, None, 128),

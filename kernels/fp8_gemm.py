@@ -392,11 +392,15 @@ def default_config(x, *args) -> dict:
 
 @retries_smaller(NAME, default_config)
 def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *,
-           config: dict | None = None) -> torch.Tensor:
+           config: dict | None = None, activations: tuple | None = None) -> torch.Tensor:
     """Run the Triton kernel. `config` (kernels/configs.py; None: the device's row) holds BLOCK_M, BLOCK_N,
     BLOCK_K, num_warps, num_stages; SMALL_M rows for decode-sized M; split-K's SM_COUNT,
     SPLIT_MAX_M, SPLIT_MIN, MAX_SPLITS (or SPLITS to force a count) and SUM_BLOCK; and AUTOTUNE
-    alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs)."""
+    alternatives that triton.autotune times on a CUDA GPU (elsewhere the row's config runs).
+    `activations`: W8A8's (x_fp8, x_scale) of x, quantised already (`quantize_activations`, shared
+    by the linears that read x); x then gives only its shape and dtype."""
+    if activations is not None:
+        check_activations(x, *activations, block_k, act_quant)
     args = (x, w, scale_inv, bias, block_n, block_k, act_quant)
     # the weight's shape in the scalars: a step's linears of one config each find their own few plans
     plan = _launches.get_guarded((block_n, block_k, act_quant, w.shape),
@@ -406,7 +410,10 @@ def launch(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool, *
     out = x.new_empty(plan.out_shape)
     if plan.grid is None:
         return out
-    if act_quant:
+    if activations is not None:
+        a, xs = activations[0].reshape(M, plan.K), activations[1].reshape(M, -1)
+        stride_am, xs_strides = a.stride(0), xs.stride()
+    elif act_quant:
         a, xs = quantize_activations(as_rows(NAME, "x", x), block_k)
         stride_am, xs_strides = a.stride(0), xs.stride()
     else:
@@ -495,6 +502,23 @@ def quantize_activations(x, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(-1)
 
 
+def check_activations(x, x_fp8, x_scale, group: int, act_quant: bool = True) -> None:
+    """Raise KernelInputError unless (x_fp8, x_scale) are what quantize_activations(x, group) returns."""
+    if not act_quant:
+        fail(NAME, "quantised activations were given to a W8A16 linear (act_quant=False)")
+    if not (isinstance(x_fp8, torch.Tensor) and x_fp8.dtype == torch.float8_e4m3fn and x_fp8.shape == x.shape):
+        fail(NAME, f"x_fp8 must be float8_e4m3fn of x's shape {tuple(x.shape)}, got "
+                   f"{getattr(x_fp8, 'dtype', type(x_fp8).__name__)} {tuple(getattr(x_fp8, 'shape', ()))}")
+    groups = (*x.shape[:-1], _cdiv(x.shape[-1], group))
+    if not (isinstance(x_scale, torch.Tensor) and x_scale.dtype == torch.float32 and tuple(x_scale.shape) == groups):
+        fail(NAME, f"x_scale must be float32 of shape {groups} (one scale per row and group of {group}), got "
+                   f"{getattr(x_scale, 'dtype', type(x_scale).__name__)} {tuple(getattr(x_scale, 'shape', ()))}")
+    if not (x_fp8.is_contiguous() and x_scale.is_contiguous()):
+        fail(NAME, "x_fp8 and x_scale must be contiguous (quantize_activations returns them so)")
+    if not x_fp8.device == x_scale.device == x.device:
+        fail(NAME, f"x, x_fp8 and x_scale must be on one device, got {x.device}, {x_fp8.device}, {x_scale.device}")
+
+
 def _dequantize_activations(q, x_scale, group: int) -> torch.Tensor:
     K = q.shape[-1]
     return (q.float() * x_scale.repeat_interleave(group, dim=-1)[..., :K])
@@ -519,12 +543,18 @@ def fallback(x, w, scale_inv, bias, block_n: int, block_k: int) -> torch.Tensor:
 _CPU_CHUNK_BYTES = 16 * 2**20
 
 
-def cpu_forward(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool) -> torch.Tensor:
-    """CPU path: float32 matmuls over chunks of whole scale rows of w (never the whole dequantised w)."""
+def cpu_forward(x, w, scale_inv, bias, block_n: int, block_k: int, act_quant: bool,
+                activations: tuple | None = None) -> torch.Tensor:
+    """CPU path: float32 matmuls over chunks of whole scale rows of w (never the whole dequantised w).
+    `activations`: (x_fp8, x_scale) of x quantised already, as for `launch`."""
     check_inputs(x, w, scale_inv, bias, block_n, block_k, act_quant)
     N, K = w.shape
     x2 = x.reshape(-1, K)
-    a = _dequantize_activations(*quantize_activations(x2, block_k), block_k) if act_quant else x2.float()
+    if activations is not None:
+        check_activations(x, *activations, block_k, act_quant)
+        a = _dequantize_activations(activations[0].reshape(-1, K), activations[1].reshape(x2.shape[0], -1), block_k)
+    else:
+        a = _dequantize_activations(*quantize_activations(x2, block_k), block_k) if act_quant else x2.float()
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     rows = max(1, _CPU_CHUNK_BYTES // (K * 4))
     for n0 in range(0, N, rows):
@@ -593,8 +623,22 @@ def _example():
 
 
 KERNEL = spec.KernelSpec(NAME, DEFAULT_CONFIGS, _aot_cases, splits=True, aot_autotune_cases=_aot_autotune_cases)
+def _quantized_linear_flops(args, outs):
+    return 2 * spec.numel(outs[0]) * spec.size_hint(args[3].shape[1]), "fp8"
+
+
+def _quantized_example():
+    x, w, scales, bias, block_n, block_k, _ = _example()
+    return (x, *quantize_activations(x, block_k), w, scales, bias, block_n, block_k)
+
+
 OPS = (
     spec.OpSpec("fp8_linear", spec.GEMM, _linear_flops, spec.rows(0), _example, KERNEL),
+    # W8A8 with x quantised once for the linears that read it (the share_act_quant pass)
+    spec.OpSpec("fp8_quantize_activations", spec.POINTWISE, spec.per_output_element, spec.rows(0, token_wise=True),
+                lambda: (torch.randn(3, 5, 48), 32)),
+    spec.OpSpec("fp8_linear_quantized", spec.GEMM, _quantized_linear_flops, spec.rows(0, 1, 2), _quantized_example,
+                KERNEL),
     # plain torch, folded into fp8_linear by the fp8_gemm pass where it feeds a linear
     spec.OpSpec("fp8_dequantize", spec.MEMORY, spec.by_bytes, spec.OPAQUE_LAYOUT,
                 lambda: (*_example()[1:3], 16, 32, torch.float32)),

@@ -179,6 +179,39 @@ def _(x, weight, scale_inv, bias, block_n, block_k, act_quant):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@_op("fp8_quantize_activations")
+def fp8_quantize_activations(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """(x_fp8, x_scale): x quantised per row and per `group` consecutive features to e4m3, as a
+    W8A8 fp8_linear quantises its input (metainfer.kernels.fp8_gemm.quantize_activations), in plain
+    torch; the share_act_quant pass runs it once for the linears that read one x."""
+    return _fp8_gemm.quantize_activations(x, group)
+
+
+@_fake(fp8_quantize_activations)
+def _(x, group):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], -(-x.shape[-1] // group)), dtype=torch.float32))
+
+
+@_op("fp8_linear_quantized")
+def fp8_linear_quantized(x: Tensor, x_fp8: Tensor, x_scale: Tensor, weight: Tensor, scale_inv: Tensor,
+                         bias: Optional[Tensor], block_n: int, block_k: int) -> Tensor:
+    """fp8_linear(x, weight, scale_inv, bias, block_n, block_k, act_quant=True) with x's activations
+    quantised already: (x_fp8, x_scale) = fp8_quantize_activations(x, block_k). x gives the shape
+    and the output dtype; the result is the same, bit for bit."""
+    if not x.is_contiguous() and (x.dim() > 1 and x.stride(-1) != 1 or not _rows_viewable(x)):
+        x = x.contiguous()  # (only its metadata is read; as fp8_linear)
+    if kernels.use_triton(x):
+        return _fp8_gemm.launch(x, weight, scale_inv, bias, block_n, block_k, True, activations=(x_fp8, x_scale))
+    return _fp8_gemm.cpu_forward(x, weight, scale_inv, bias, block_n, block_k, True,
+                                 activations=(x_fp8, x_scale)).contiguous()
+
+
+@_fake(fp8_linear_quantized)
+def _(x, x_fp8, x_scale, weight, scale_inv, bias, block_n, block_k):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @_op("fp8_dequantize")
 def fp8_dequantize(weight: Tensor, scale_inv: Tensor, block_n: int, block_k: int, dtype: torch.dtype) -> Tensor:
     """The real weight (N, K) in `dtype` of an FP8 weight and its block (or per-channel, per-tensor)

@@ -12,6 +12,7 @@ from metainfer.kernels import ops as _ops  # noqa: F401  (registers torch.ops.me
 from .base import FunctionPass, Pass, PassContext, PassResult, get_pass, pass_names, register
 from .manager import PassError, PassManager, PassRecord, graph_text
 from . import fp8_gemm, int4_gemm, fuse_attention, fuse_geglu, fuse_moe, fuse_rmsnorm, fuse_rope, fuse_swiglu, mla_decode, mla_prefill, sparse_mla  # noqa: F401  (register the passes)
+from . import share_act_quant  # noqa: F401
 from . import overlap_collectives, pipeline_collectives, select_collectives, sequence_parallel, two_batch_overlap  # noqa: F401
 from .pipeline import default_pipeline, resolve
 

@@ -10,11 +10,12 @@ from .base import Pass, get_pass, pass_names
 
 # fuse_moe and mla_decode read the FP8 dequantisation of their weights, so they run before
 # fp8_gemm takes the remaining linears; mla_prefill claims the MLA attentions before
-# fuse_attention takes the rest; sparse_mla and mla_decode rewrite fused attention ops; the
-# pointwise/norm fusions come next; the communication passes last, on the final compute:
+# fuse_attention takes the rest; sparse_mla and mla_decode rewrite fused attention ops;
+# share_act_quant reads the W8A8 linears fp8_gemm writes, so it follows it; the pointwise/norm
+# fusions come next; the communication passes last, on the final compute:
 # sequence_parallel takes the all-reduces it pays for, select_collectives picks algorithms for the rest.
-DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "int4_gemm",
-                 "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu", "sequence_parallel", "two_batch_overlap",
+DEFAULT_ORDER = ("fuse_moe", "mla_prefill", "fuse_attention", "sparse_mla", "mla_decode", "fp8_gemm", "share_act_quant",
+                 "int4_gemm", "fuse_rope", "fuse_rmsnorm", "fuse_swiglu", "fuse_geglu", "sequence_parallel", "two_batch_overlap",
                  "pipeline_collectives", "select_collectives", "overlap_collectives")
 # registered passes that run only when named (passes=[...]); each with the reason it is not default
 OPT_IN: dict[str, str] = {}

@@ -123,6 +123,42 @@ def test_triton_kernel_matches_reference(p, interpret):
             assert rel < W8A8_REL_FROBENIUS, rel
 
 
+@settings(max_examples=20, deadline=None)
+@given(p=problems(max_m=40, max_n=80, max_k=200), triton=st.booleans())
+def test_prequantised_activations_give_the_same_result_bit_for_bit(p, triton, interpret):
+    """metainfer::fp8_linear_quantized on fp8_quantize_activations(x) computes what a W8A8
+    fp8_linear computes from x (its own quantisation is the same function), on the Triton path
+    under the interpreter and on the CPU path."""
+    import metainfer.kernels.ops  # noqa: F401  (registers the ops)
+
+    x, w, s, bias = make(p)
+    bn, bk = p["bn"], p["bk"]
+    xq, xs = torch.ops.metainfer.fp8_quantize_activations(x, bk)
+    assert torch.equal(xq.float(), K.quantize_activations(x, bk)[0].float())
+    if triton:
+        ref = K.launch(x, w, s, bias, bn, bk, True, config=CFG)
+        out = K.launch(x, w, s, bias, bn, bk, True, config=CFG, activations=(xq, xs))
+    else:
+        ref = K.cpu_forward(x, w, s, bias, bn, bk, True)
+        out = K.cpu_forward(x, w, s, bias, bn, bk, True, activations=(xq, xs))
+    assert torch.equal(out, ref)
+    assert torch.equal(torch.ops.metainfer.fp8_linear_quantized(x, xq, xs, w, s, bias, bn, bk),
+                       torch.ops.metainfer.fp8_linear(x, w, s, bias, bn, bk, True))
+
+
+def test_prequantised_activations_are_checked():
+    x = torch.randn(3, 64)
+    w, s = K.quantize_weight(torch.randn(8, 64), 16, 32)
+    xq, xs = K.quantize_activations(x, 32)
+    for bad, msg in [((xq.float(), xs), "x_fp8 must be float8_e4m3fn"), ((xq[:2], xs), "x_fp8 must be"),
+                     ((xq, xs[:, :1]), r"x_scale must be float32 of shape \(3, 2\)"),
+                     ((xq, xs.double()), "x_scale must be float32")]:
+        with pytest.raises(KernelInputError, match=msg):
+            K.cpu_forward(x, w, s, None, 16, 32, True, activations=bad)
+    with pytest.raises(KernelInputError, match="W8A16 linear"):
+        K.cpu_forward(x, w, s, None, 16, 32, False, activations=(xq, xs))
+
+
 @settings(max_examples=30, deadline=None)
 @given(p=problems())
 def test_cpu_path_matches_reference(p):

@@ -108,9 +108,11 @@ class _ModelSpec:
             return model, models.config(self.spec).vocab_size, f"models/{self.spec}"
         import transformers
 
+        from metainfer.models import transformers_adapter as hf
+
         cfg = self.config
         if attn:
-            cfg._attn_implementation = attn
+            hf.set_attention_implementation(cfg, attn)
         try:
             with torch.random.fork_rng(devices=[]), torch.device(device):
                 torch.manual_seed(0)

@@ -512,6 +512,8 @@ def build_model(spec: str, attn: str = "sdpa", dtype=torch.float32):
     """A transformers causal LM with random weights: a name from MODELS or a config.json path."""
     import transformers
 
+    from metainfer.models import transformers_adapter as hf
+
     if spec in MODELS:
         fields = dict(MODELS[spec])
         cfg = getattr(transformers, f"{fields.pop('arch')}Config")(pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -521,7 +523,7 @@ def build_model(spec: str, attn: str = "sdpa", dtype=torch.float32):
 
         path, _ = read_config_json(spec)
         cfg = transformers.AutoConfig.from_pretrained(str(path))
-    cfg._attn_implementation = attn
+    hf.set_attention_implementation(cfg, attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

@@ -121,11 +121,13 @@ def tiny_hf_model(arch: str = "Llama", attn: str = "eager", layers: int = 2, see
     4 heads / 2 kv heads; `config` overrides any field."""
     import transformers
 
+    from metainfer.models import transformers_adapter as hf
+
     fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg = getattr(transformers, f"{arch}Config")(**{**fields, **config})
-    cfg._attn_implementation = attn
+    hf.set_attention_implementation(cfg, attn)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(cfg).eval()

@@ -287,13 +287,15 @@ def load(folder, dtype: torch.dtype | None = None, device: str | torch.device = 
     unquantized folder. Returns the model in eval mode; `model.metainfer_scheme` is its Scheme."""
     import transformers
 
+    from metainfer.models import transformers_adapter as hf
+
     folder = Path(folder)
     data = read_config(folder)
     scheme = scheme_of(data.get("quantization_config"))
     config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the layers below are the quantization; transformers must not redo it
-    config._attn_implementation = attn
+    hf.set_attention_implementation(config, attn)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -402,7 +404,9 @@ def _fill(model: nn.Module, files: _Files, dtype: torch.dtype, device: str, used
         if meta:
             for k in meta:
                 module._buffers[k] = torch.empty_like(module._buffers[k], device=device)
-            model._init_weights(module)  # the rotary tables, from the config
+            from metainfer.models import transformers_adapter as hf
+
+            hf.init_weights(model, module)  # the rotary tables, from the config
     left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     if left:
         raise ValueError(f"tensors left without values after loading: {left[:4]}")
@@ -418,7 +422,9 @@ def _assign(model: nn.Module, key: str, t: torch.Tensor) -> None:
 
 
 def _ignored(model: nn.Module, key: str) -> bool:
-    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    from metainfer.models import transformers_adapter as hf
+
+    patterns = hf.keys_to_ignore_on_load(model)
     return any(re.search(p, key) for p in patterns)
 
 

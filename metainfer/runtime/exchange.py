@@ -40,7 +40,6 @@ import functools
 import pickle
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass
 
@@ -168,9 +167,9 @@ def _comparable(state) -> list:
 
 
 def _rebuilt(request_id, tokens, config):
-    from transformers.generation.continuous_batching.requests import RequestState
+    from metainfer.models import transformers_adapter as hf
 
-    return RequestState(request_id=request_id, initial_tokens=tokens, **config)
+    return hf.RequestState(request_id=request_id, initial_tokens=tokens, **config)
 
 
 def encode(payload) -> tuple[bytes, int]:
@@ -211,6 +210,8 @@ def install(manager, mode: str = "auto", slot_bytes: int = SLOT_BYTES, record: i
     every rank of the group is on this host and the path is available). None outside TP mode.
     `slot_bytes`: the segment's slot per rank (a longer payload is cut into pieces); `record`:
     keep that many status calls' times (StepExchange.recent)."""
+    from metainfer.models import transformers_adapter as hf
+
     if mode not in MODES:
         raise ValueError(f"exchange mode must be one of {', '.join(MODES)}, not {mode!r}")
     helper = manager.distributed_helper
@@ -230,13 +231,8 @@ def install(manager, mode: str = "auto", slot_bytes: int = SLOT_BYTES, record: i
         # follower never gets: its sleep then made the driver, woken at once by a new request,
         # wait up to 0.1 s for it in the next exchange. A follower waits in the exchange instead
         # (for the driver, asleep in a futex or gloo's recv: no core spent).
-        manager._wake_up_loop = _NeverSleep()
+        hf.never_idle_sleep(manager)
     return exchange
-
-
-class _NeverSleep(threading.Event):
-    def wait(self, timeout=None) -> bool:
-        return True
 
 
 def _attach(helper, slot_bytes: int):

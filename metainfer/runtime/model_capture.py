@@ -31,7 +31,9 @@ def hf_eager_experts(model: torch.nn.Module) -> bool:
     tf = sys.modules.get("transformers")
     if tf is None or not isinstance(model, tf.PreTrainedModel):
         return False
-    if getattr(model.config, "_experts_implementation", None) != "eager":
+    from metainfer.models import transformers_adapter as hf
+
+    if hf.experts_implementation(model.config) != "eager":
         return False
     if model not in _HAS_EXPERTS:  # scanned once per model, not on every call
         _HAS_EXPERTS[model] = any(hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") for m in model.modules())

@@ -38,10 +38,10 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    CLASSIC_TO_CB_PROCESSORS_MAP, ContinuousBatchingLogitsProcessorList)
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from metainfer.models import transformers_adapter as hf
+from metainfer.models.transformers_adapter import CLASSIC_TO_CB_PROCESSORS_MAP, ContinuousBatchingLogitsProcessorList
 
 _KEYS = {"temperature": float, "top_k": int, "top_p": float}
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # key: its "off" value
@@ -60,7 +60,7 @@ class TokenLogprob:
 def history(state) -> tuple[list[int], list[int]]:
     """(prompt, generated tokens) of an engine request state; a request the engine preempted and
     re-queued carries its generated tokens at the end of its initial tokens."""
-    true_prompt = state._true_initial_tokens or len(state.initial_tokens)
+    true_prompt = hf.true_prompt_length(state)
     return state.initial_tokens[:true_prompt], state.initial_tokens[true_prompt:] + state.generated_tokens
 
 

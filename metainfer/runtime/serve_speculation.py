@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metainfer.models import transformers_adapter as hf
+from metainfer.models.transformers_adapter import RequestStatus
+
 log = logging.getLogger("metainfer.speculation")
 
 
@@ -100,7 +103,7 @@ class PromptLookup:
         self.max_ngram = max_ngram
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+        from metainfer.models.transformers_adapter import PromptLookupCandidateGenerator
 
         if k < 1 or len(tokens) < 2:
             return []
@@ -211,21 +214,21 @@ class EngineSpeculation:
     # ---- the hooks
     def install(self, processor) -> None:
         """Wraps a new batch processor's scheduler candidate pass and its batch update."""
-        scheduler = processor.scheduler
-        process = scheduler._process_candidates
+        def with_drafts(process):
+            def process_with_drafts(candidates, token_budget, *args, **kwargs):
+                self._step_started, self._graphs_before = time.perf_counter(), self._graphs()
+                drafted = self._draft(candidates, token_budget, processor)
+                result = process(candidates, token_budget, *args, **kwargs)
+                scheduled = {f.state.request_id for f in result[0]}
+                for state in drafted:
+                    if state.request_id not in scheduled:  # not in this step: its one token back
+                        state.tokens_to_process = state.tokens_to_process[:1]
+                        self._pending.pop(state.request_id, None)
+                return result
 
-        def process_with_drafts(candidates, token_budget, *args, **kwargs):
-            self._step_started, self._graphs_before = time.perf_counter(), self._graphs()
-            drafted = self._draft(candidates, token_budget, processor)
-            result = process(candidates, token_budget, *args, **kwargs)
-            scheduled = {f.state.request_id for f in result[0]}
-            for state in drafted:
-                if state.request_id not in scheduled:  # not in this step: its one token back
-                    state.tokens_to_process = state.tokens_to_process[:1]
-                    self._pending.pop(state.request_id, None)
-            return result
+            return process_with_drafts
 
-        scheduler._process_candidates = process_with_drafts
+        hf.wrap_candidate_pass(processor.scheduler, with_drafts)
         update = processor.update_batch
 
         def update_with_accepted():
@@ -244,7 +247,6 @@ class EngineSpeculation:
 
     def _eligible_room(self, state, sampler) -> int:
         """Drafts this request may take now (0: not eligible)."""
-        from transformers.generation.continuous_batching.requests import RequestStatus
 
         from metainfer.runtime import sampling
 
@@ -259,10 +261,9 @@ class EngineSpeculation:
             return 0
         if sampler is not None and sampler.watches(state.request_id):
             return 0
-        return min(self.max_draft, state._new_tokens_limit - state.generated_len() - 1)
+        return min(self.max_draft, hf.new_tokens_limit(state) - state.generated_len() - 1)
 
     def _draft(self, candidates, token_budget: int, processor) -> list:
-        from transformers.generation.continuous_batching.requests import RequestStatus
 
         self._drafting = 0.0
         if candidates:  # a draft model's caches of requests that are gone (all of them once it failed)
@@ -372,7 +373,7 @@ class EngineSpeculation:
             g = greedy[i:i + k + 1]
             i += k + 1
             m = 0
-            while m < k and g[m] == drafts[m] and drafts[m] not in state._eos_token_ids:
+            while m < k and g[m] == drafts[m] and drafts[m] not in hf.eos_token_ids(state):
                 m += 1
             chosen[first] = at(first, start) + m  # the argmax after the accepted drafts
             self._verified[state.request_id] = (drafts[:m], k)

@@ -36,11 +36,11 @@ import contextlib
 import copy
 import dataclasses
 import math
-import types
 from typing import Any
 
 import torch
 
+from metainfer.models import transformers_adapter as hf
 from metainfer.runtime import exchange as step_exchange
 from metainfer.runtime import inputs
 from metainfer.runtime.capacity import ENGINE_MAX_BATCH_TOKENS, Capacity, choose_capacity
@@ -108,7 +108,7 @@ def _update(self, key_states, value_states, layer_idx, kwargs=None):
     layer = _layer_indices(step, allocator.index, allocator.layer_type)
     read, write = layer.pop("read_index"), layer.pop("write_index")
     kwargs.update(layer)
-    if _is_mla(allocator):  # (1, 1, T, R) and (1, 1, T, P) latents
+    if hf.is_latent_allocator(allocator):  # (1, 1, T, R) and (1, 1, T, P) latents
         latent, rotated = torch.ops.metainfer.paged_latents(key_states[0, 0], value_states[0, 0], write, read,
                                                              layer_idx)
         kwargs[_STEP_KEY] = (layer_idx, None, None, -1)
@@ -121,17 +121,6 @@ def _sentinel(allocator) -> int:
     """The read index's marker for a new token in a ring-buffer (sliding-window) layer group, -1
     for a group whose rows are read after they are written."""
     return allocator.sentinel_index if allocator.layer_type == "sliding_attention" else -1
-
-
-def _is_mla(allocator) -> bool:
-    return hasattr(allocator, "_latent_token_views")
-
-
-def _register_attention() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if ALL_ATTENTION_FUNCTIONS.get(ATTENTION_NAME) is not paged_attention_forward:
-        ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = paged_attention_forward
 
 
 def paged_attention_unsupported(model) -> str | None:
@@ -174,13 +163,11 @@ class _Step:
             kwargs["read_index"] = [
                 r if r.numel() else w.clone() if sentinels[g] < 0 else torch.full_like(w, sentinels[g])
                 for g, (r, w) in enumerate(zip(kwargs["read_index"], kwargs["write_index"]))]
-        if getattr(cache.update, "__func__", None) is not _update:
-            cache.update = types.MethodType(_update, cache)  # this cache instance only
+        hf.replace_method(cache, "update", _update)  # this cache instance only
         setattr(cache, _STEP_ATTR, kwargs)
 
         def views(layer: int):
-            allocator = cache.layer_to_allocator[layer]
-            return (allocator._latent_token_views if _is_mla(allocator) else allocator._kv_token_views)[layer]
+            return hf.token_views(cache.layer_to_allocator[layer], layer)
 
         from metainfer.kernels import kv_pool
 
@@ -223,10 +210,9 @@ def request_problem(opt, tokens, max_new_tokens: int, pool_tokens: int | None, p
 
 
 def _failed(request_id: str, tokens, why: str):
-    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
-
-    return GenerationOutput(request_id=request_id, prompt_ids=list(tokens) if isinstance(tokens, (list, tuple)) else [],
-                            error=why, status=RequestStatus.FAILED)
+    return hf.GenerationOutput(request_id=request_id,
+                               prompt_ids=list(tokens) if isinstance(tokens, (list, tuple)) else [],
+                               error=why, status=hf.RequestStatus.FAILED)
 
 
 # ---- entry points --------------------------------------------------------------------------
@@ -306,10 +292,10 @@ def attention(opt):
 
     model = opt.model
     why_not = paged_attention_unsupported(model)
-    original = model.config._attn_implementation
+    original = hf.attention_implementation(model.config)
     if why_not is None:
-        _register_attention()
-        model.config._attn_implementation = ATTENTION_NAME
+        hf.register_attention(ATTENTION_NAME, paged_attention_forward)
+        hf.set_attention_implementation(model.config, ATTENTION_NAME)
     # sharded by metainfer inside a job: the engine runs its tensor-parallel mode over the same
     # mesh (rank 0 of each group schedules, the others follow its broadcasts)
     mesh, own_mesh = distributed.tp_mesh(model), getattr(model, "_device_mesh", None)
@@ -328,7 +314,7 @@ def attention(opt):
     try:
         yield why_not is None
     finally:
-        model.config._attn_implementation = original
+        hf.set_attention_implementation(model.config, original)
         if mesh is not None and own_mesh is None:
             model._device_mesh = None
 
@@ -375,7 +361,6 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
     """OptimizedModel.generate_batch: results in input order, keyed by request id; a request
     that cannot be served is FAILED with the reason and the others are served."""
     from tqdm.auto import tqdm
-    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     if not prompts:
         return {}
@@ -394,7 +379,7 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
     good = [i for i, why in enumerate(problems) if why is None]
     results: dict[int, list] = {}
     if good:
-        hints = WorkloadHints(max_prompt_length=max(len(prompts[i]) for i in good), max_generated_length=max_new,
+        hints = hf.WorkloadHints(max_prompt_length=max(len(prompts[i]) for i in good), max_generated_length=max_new,
                               num_requests=len(good))
         # query tokens the batch computes: every prompt, and every new token but the last fed back
         total = sum(len(prompts[i]) for i in good) + len(good) * max(0, max_new - 1)
@@ -403,7 +388,7 @@ def generate_batch(opt, prompts, generation_config=None, continuous_batching_con
             ids = manager.add_requests(inputs=[prompts[i] for i in good], max_new_tokens=max_new,
                                        record_timestamps=record_timestamps)
             owner = {rid: i for rid, i in zip(ids, good)}
-            pending = set(ids) | {f"{rid}__child#{c}" for rid in ids for c in range(manager.num_return_sequences - 1)}
+            pending = {one for rid in ids for one in hf.child_request_ids(rid, manager.num_return_sequences)}
             bar = tqdm(total=len(pending), desc=f"Solving {len(pending)} requests", unit="request",
                        disable=not progress_bar)
             while pending:
@@ -524,19 +509,14 @@ class Manager:
                 manager.add_request(input_ids, request_id=one, max_new_tokens=max_new_tokens, **kwargs)
             self.admitted_tokens += (n - 1) * len(input_ids)
             return request_id
-        # the engine reads num_return_sequences here only, into the request's number of children;
-        # requests are added from one thread (the server's loop), so setting it around the call is safe
-        manager.num_return_sequences = n
         self.admitted_tokens += n - 1  # each child computes the held-back last prompt token itself
-        try:
+        with hf.children_per_request(manager, n):  # requests are added from one thread (the server's loop)
             return manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **kwargs)
-        finally:
-            manager.num_return_sequences = 1
 
     @staticmethod
     def request_ids(request_id: str, n: int) -> list[str]:
         """The ids the engine delivers a request of `n` sequences under (its children's naming)."""
-        return [request_id] + [f"{request_id}__child#{i}" for i in range(n - 1)]
+        return hf.child_request_ids(request_id, n)
 
     @property
     def sampler(self):
@@ -579,36 +559,28 @@ class Manager:
         wrapped so each one dropped delivers a final result with error "cancelled" and the tokens
         generated so far."""
         manager = self._manager
-        make = manager._create_batch_processor
 
-        def create():
-            processor = make()
+        def install(processor):
             scheduler = processor.scheduler
             clear = scheduler.clear_cancelled_requests
-            if getattr(clear, "metainfer_wrapped", False):
-                return processor
 
             def clear_and_deliver():
-                from transformers.generation.continuous_batching.requests import RequestStatus
-
                 states = clear()
                 for state in states:
-                    state.status, state.error = RequestStatus.FAILED, "cancelled"
+                    state.status, state.error = hf.RequestStatus.FAILED, "cancelled"
                     manager.output_router.deliver(state.to_generation_output())
                 return states
 
-            clear_and_deliver.metainfer_wrapped = True
             scheduler.clear_cancelled_requests = clear_and_deliver
-            return processor
 
-        manager._create_batch_processor = create
+        hf.wrap_batch_processor(manager, install, "cancellations")
 
     def drop_unclaimed_outputs(self) -> None:
         """For a manager whose every result goes to a registered handler (the server's, on every
         rank): the engine puts an output no handler claims (one delivered after its request was
         cancelled and its handler removed; every output on a rank that only follows) on a queue
         that only get_result reads. Nothing reads it here, so those outputs are dropped."""
-        self._manager.output_router.output_queue = _Nowhere()
+        hf.discard_unclaimed_outputs(self._manager)
 
     def _speculate(self, drafter, max_draft: int) -> None:
         """Greedy requests decode speculatively (metainfer.runtime.serve_speculation): each batch
@@ -621,16 +593,7 @@ class Manager:
                              "and choose its draft length on its own, and their steps must be the same")
         self.speculation = serve_speculation.EngineSpeculation(self, self._opt.model, drafter, max_draft,
                                                                graphs=lambda: len(self._opt.report.sections))
-        make = self._manager._create_batch_processor
-
-        def create():
-            processor = make()
-            if not getattr(processor, "_metainfer_speculation", False):
-                self.speculation.install(processor)
-                processor._metainfer_speculation = True
-            return processor
-
-        self._manager._create_batch_processor = create
+        hf.wrap_batch_processor(self._manager, self.speculation.install, "speculation")
         _note(self._opt, f"serving: speculative decoding of greedy requests, {drafter.name}, at most {max_draft} "
                          "draft tokens a step (each step's length from measured acceptance and step times)")
 
@@ -656,18 +619,6 @@ class Manager:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-class _Nowhere:
-    """The engine's output queue where no one calls get_result: outputs put on it are dropped."""
-
-    def put(self, item, block=True, timeout=None) -> None:
-        pass
-
-    put_nowait = put
-
-    def empty(self) -> bool:
-        return True
 
     def qsize(self) -> int:
         return 0

@@ -220,22 +220,10 @@ class Speculation:
         """Hand Hugging Face's assisted decoding a candidate generator whose draft length is
         this object's, and watch it. Wraps the model's `_get_candidate_generator` for the
         call (the instance attribute, as the forward is installed)."""
-        model = self.opt.model
-        original = getattr(type(model), "_get_candidate_generator", None)
-        if original is None:
-            raise RuntimeError(f"{type(model).__name__} has no _get_candidate_generator (transformers' assisted "
-                               "generation): metainfer cannot set its draft length")
+        from metainfer.models import transformers_adapter as hf
 
-        def get_candidate_generator(*args, **kwargs):
-            gen = original(model, *args, **kwargs)
-            self._attach(gen)
-            return gen
-
-        model.__dict__["_get_candidate_generator"] = get_candidate_generator
-        try:
+        with hf.candidate_generator_wrapped(self.opt.model, self._attach):
             yield
-        finally:
-            model.__dict__.pop("_get_candidate_generator", None)
 
     def _attach(self, gen) -> None:
         if not hasattr(gen, self._length_attr(gen)):

@@ -128,8 +128,8 @@ def engine_manager(opt, cb_config=None, max_running: int | None = None, speculat
     takes every result through handlers; `get_results`: keep the engine's queue for get_result
     (otherwise outputs no handler claims are dropped, not kept forever)."""
     from transformers import GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
 
+    from metainfer.models.transformers_adapter import WorkloadHints
     from metainfer.runtime.sampling import Sampler
 
     model = opt.model

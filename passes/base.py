@@ -114,9 +114,9 @@ class FunctionPass(Pass):
 
 class MatchPass(Pass):
     """The shape of every hand-written matcher: for each node of the graph, `match` finds the
-    pattern ending there (a site, None if there is none, or NearMiss if it is one that cannot
-    be rewritten), `refuse` may say why a matched site is left alone (the target, the cost
-    model), `rewrite` replaces it and `describe` writes its decision line. The loop, and how
+    pattern found from it, ending or starting there (a site, None if there is none, or NearMiss
+    if it is one that cannot be rewritten), `refuse` may say why a matched site is left alone
+    (the target, the cost model), `rewrite` replaces it and `describe` writes its decision line. The loop, and how
     near misses are recorded (where, then what was not done, then why), is here once.
 
     Subclasses set `missed` ("attention not fused") and `misses` (the NearMiss subclasses their

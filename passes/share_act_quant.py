@@ -25,7 +25,7 @@ import torch
 from torch.fx import Node
 
 from .base import MatchPass, NearMiss, register
-from .matching import arg, insert_call, is_op, is_reshape, location, shape
+from .matching import arg, insert_call, is_op, is_reshape, location, order, shape
 
 FP8_LINEAR = torch.ops.metainfer.fp8_linear.default
 
@@ -60,6 +60,8 @@ class ShareActQuant(MatchPass):
         readers = _readers(node)
         if len(readers) < 2:
             return None
+        if is_reshape(node) and set(readers) <= set(_readers(arg(node, 0, "self"))):
+            return None  # the node it views finds the same readers: one site, reported once
         alike: dict[tuple, list[Node]] = defaultdict(list)
         for u in readers:
             alike[(str(list(shape(u.args[0]))), arg(u, 5, "block_k"))].append(u)
@@ -73,7 +75,7 @@ class ShareActQuant(MatchPass):
     def rewrite(self, node: Node, site: dict[tuple, list[Node]], state) -> None:
         graph = state.graph
         for (_, block_k), linears in site.items():
-            first = min(linears, key=_position(graph))  # quantise just before the first reader,
+            first = min(linears, key=order(graph).__getitem__)  # quantise just before the first reader,
             x = first.args[0]  # the view it reads, which comes before every later reader
             pair = insert_call(graph, first, torch.ops.metainfer.fp8_quantize_activations.default, (x, block_k))
             x_fp8 = insert_call(graph, first, operator.getitem, (pair, 0))
@@ -90,8 +92,3 @@ class ShareActQuant(MatchPass):
                  for (_, block_k), linears in sorted(site.items(), key=lambda kv: kv[0][1])]
         saved = sum(len(linears) - 1 for linears in site.values())
         return f"{location(node)}: {'; '.join(parts)}: {saved} activation quantisation(s) fewer"
-
-
-def _position(graph: torch.fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__

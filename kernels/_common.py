@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import os
@@ -151,6 +152,15 @@ def interpreted() -> bool:
 
 # Bumped by kernels/configs.activate: plans that looked their config up are made again.
 CONFIG_GENERATION = 0
+# The rows of the compiled graph now running (kernels/configs.using): their generation, which
+# keeps its plans apart from the process default's and from another graph's rows.
+SCOPED_GENERATION: contextvars.ContextVar = contextvars.ContextVar("metainfer_kernel_rows", default=None)
+
+
+def config_generation():
+    """Which kernel rows a launch that looks its config up reads now (see configs.using)."""
+    scoped = SCOPED_GENERATION.get()
+    return CONFIG_GENERATION if scoped is None else scoped
 
 # Set by lowering/aot.py while it records launches for a GPU architecture it compiles for
 # ahead of time: launchers then decide as they would on a GPU of that compute capability.
@@ -299,7 +309,7 @@ class LaunchPlans:
         closure: a lambda over the launcher's locals would turn each of them into a cell).
         `config` None: the launcher looks its config up inside `build` (an op's call), and the
         plan lasts until a target activates other rows (CONFIG_GENERATION)."""
-        key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH, CONFIG_GENERATION if config is None else -1)
+        key = (key, AOT_CAPABILITY, AUTOTUNE_BENCH, config_generation() if config is None else -1)
         try:
             hit = self._plans.get(key)
         except TypeError:  # an unhashable argument: the build's checks say what is wrong with it
@@ -370,7 +380,7 @@ class GuardedPlans(LaunchPlans):
         """The plan for these tensors' metadata and `scalars` (hashable; must tell apart launches
         whose tensors are not the same list, e.g. an optional one given or not), else
         `self.get(key_fn(*build_args), config, build, *build_args)`'s, which is then put in front."""
-        state = (scalars, len(tensors), AOT_CAPABILITY, AUTOTUNE_BENCH, CONFIG_GENERATION if config is None else -1)
+        state = (scalars, len(tensors), AOT_CAPABILITY, AUTOTUNE_BENCH, config_generation() if config is None else -1)
         entries = self._recent.get(state, ())
         for i, entry in enumerate(entries):
             if entry[0] is config and entry[1].check(*tensors):

@@ -22,6 +22,8 @@ SMALL_M are dropped unless the target gives its own.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -111,35 +113,71 @@ KERNELS = _KernelNames()
 # shapes reach the split paths.
 _SM_COUNT = {"interpreter": 4, "sm_89": 142, "sm_90": 132, "cuda": 108}
 
-# device type -> (arch, overrides) of the target metainfer last compiled for on it
+# device type -> (arch, overrides) of the target metainfer last compiled for on it: the rows of
+# an op called outside a compiled graph
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+# the rows of the compiled graph running now (`using`): _rows_of's tuple
+_scoped: contextvars.ContextVar = contextvars.ContextVar("metainfer_kernel_rows_of", default=None)
 # (kernel, device, head_dim, dtype) -> (the activation it was built under, its config, read-only):
 # a launch looks its row up per call, and building it (row, overrides, device SMs) costs microseconds
 _configs: dict[tuple, tuple[Any, Mapping[str, Any]]] = {}
+_ROW_SETS: dict[tuple, tuple] = {}  # one object (and one plan generation) per distinct set of rows
 
 
-def activate(target) -> None:
-    """Make `target`'s rows and overrides the ones kernels on its device type use."""
+def rows_of(target) -> tuple:
+    """(device type, (arch, overrides), plan generation) of `target`'s kernel rows, one object for
+    equal targets, kept for the process (config_for's cache tells rows apart by identity)."""
     unknown = set(target.kernels) - set(KERNELS)
     if unknown:
         raise ValueError(f"target {target.name!r}: [kernels] names unknown kernels {sorted(unknown)}; "
                          f"known: {list(KERNELS)}")
-    _active[target.device.kind] = (target.device.arch, {k: dict(v) for k, v in target.kernels.items()})
+    overrides = {k: dict(v) for k, v in target.kernels.items()}
+    key = (target.device.kind, target.device.arch, repr(sorted((k, sorted(v.items())) for k, v in overrides.items())))
+    if key not in _ROW_SETS:
+        _ROW_SETS[key] = (target.device.kind, (target.device.arch, overrides), ("rows", len(_ROW_SETS)))
+    return _ROW_SETS[key]
+
+
+def activate(target) -> None:
+    """Make `target`'s rows and overrides the ones kernels on its device type use outside a
+    compiled graph (inside one, `using` names the rows of the target it was compiled for)."""
+    kind, activation, _ = rows_of(target)
+    _active[kind] = activation
     _common.CONFIG_GENERATION += 1  # launch plans that looked their rows up are made again
+
+
+@contextlib.contextmanager
+def using(rows):
+    """Kernels launched meanwhile on this thread read these rows (`rows_of(target)`), whatever
+    was activated last: each compiled graph runs under the rows of the target it was compiled
+    for, so models compiled for different targets in one process keep their own."""
+    token, generation = _scoped.set(rows), _common.SCOPED_GENERATION.set(rows[2])
+    try:
+        yield
+    finally:
+        _common.SCOPED_GENERATION.reset(generation)
+        _scoped.reset(token)
+
+
+def _activation(device_type: str):
+    scoped = _scoped.get()
+    if scoped is not None and scoped[0] == device_type:
+        return scoped[1]
+    return _active.get(device_type)
 
 
 def _row(device: torch.device) -> tuple[str, dict]:
     if device.type != "cuda":
         return "interpreter", {}
-    arch, overrides = _active.get("cuda", ("", {}))
+    arch, overrides = _activation("cuda") or ("", {})
     return (arch if arch in _ATTENTION else "cuda"), overrides
 
 
 def config_for(kernel: str, device: torch.device, *, head_dim: int = 0, dtype: torch.dtype | None = None
                ) -> Mapping[str, Any]:
     """The launch config for `kernel` on `device` (attention: for `head_dim` in `dtype`), read-only."""
-    key = (kernel, device, head_dim, dtype)
-    activation = _active.get(device.type)  # kept in the entry: `is` cannot match a reused id
+    activation = _activation(device.type)  # kept in the entry: `is` cannot match a reused id
+    key = (kernel, device, head_dim, dtype, id(activation))  # rows of several targets side by side
     hit = _configs.get(key)
     if hit is not None and hit[0] is activation:
         return hit[1]

@@ -179,7 +179,8 @@ class MetainferBackend:
         # validation benchmark compares them with the predictions); set before the graphs compile
         self.time_calls = False
         self.cuda_graphs = cuda_graphs  # optimize(cuda_graphs=...)
-        kernel_configs.activate(target)
+        kernel_configs.activate(target)  # the rows of ops called outside a graph, and while compiling
+        self._kernel_rows = kernel_configs.rows_of(target)  # those its graphs launch with
 
     @contextlib.contextmanager
     def calling(self, context: CallContext):
@@ -190,7 +191,8 @@ class MetainferBackend:
         stack = self._calls.__dict__.setdefault("stack", [])
         stack.append(context)
         try:
-            yield
+            with kernel_configs.using(self._kernel_rows):  # an eager step's ops too
+                yield
         finally:
             stack.pop()
 
@@ -233,7 +235,7 @@ class MetainferBackend:
             compiled = timed(compiled, section.call_seconds)
         if section.cuda_graphs:
             compiled = marked_section(compiled, section.index)
-        return compiled
+        return with_kernel_rows(compiled, self._kernel_rows)
 
     def _capturing(self, compiled, original: torch.fx.GraphModule):
         """Record the first real inputs of a graph (example inputs hold SymInts when shapes
@@ -250,6 +252,17 @@ class MetainferBackend:
 
 
 _PLAIN_CALL = CallContext()
+
+
+def with_kernel_rows(compiled: Callable, rows) -> Callable:
+    """`compiled` launching its kernels with `rows` (kernels/configs.using): the config a graph's
+    ops read is its target's, not that of the target some other model was compiled for last."""
+    def run(*args):
+        with kernel_configs.using(rows):
+            return compiled(*args)
+
+    run.__wrapped__ = compiled
+    return run
 
 
 def uses_cuda_graphs(target, lowering: str, enabled: bool, replayable: bool) -> bool:

@@ -81,8 +81,11 @@ def test_the_scan_sees_a_private_reach(tmp_path):
     assert len(found) == 3, found
 
 
-def test_the_installed_version_is_a_tested_one():
+def test_the_installed_version_is_a_tested_one_and_pyproject_asks_for_those():
     assert ".".join(transformers.__version__.split(".")[:2]) in hf.TESTED_VERSIONS
+    pins = set(re.findall(r'"transformers([^"]*)"', (ROOT / "pyproject.toml").read_text()))
+    lo, hi = hf.TESTED_VERSIONS[0], hf.TESTED_VERSIONS[-1]
+    assert pins == {f">={lo},<{hi.split('.')[0]}.{int(hi.split('.')[1]) + 1}"}, pins
 
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.23.0", "6.0.0"])

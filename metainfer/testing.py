@@ -363,3 +363,21 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout_s)
+
+
+def defined_names(tree) -> set[str]:
+    """The names a module's source defines (an `ast` tree): functions, classes, module or local
+    names, and attributes it sets on `self` or `cls`; the source checks of tests/test_layers.py
+    and tests/test_transformers_adapter.py tell the project's names from other packages' by it."""
+    import ast
+
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.add(node.attr)
+    return out

@@ -125,18 +125,10 @@ def _private(name: str) -> bool:
 
 
 def _private_definitions(tree: ast.AST) -> set[str]:
-    """The private names a module defines: functions, classes, module or local names, and
-    attributes it sets on `self` or `cls`."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(node.name)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            out.add(node.id)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-            out.add(node.attr)
-    return {n for n in out if _private(n)}
+    """The private names a module defines (metainfer.testing.defined_names)."""
+    from metainfer.testing import defined_names
+
+    return {n for n in defined_names(tree) if _private(n)}
 
 
 def _root_name(node: ast.AST) -> str | None:

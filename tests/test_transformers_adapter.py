@@ -10,6 +10,7 @@ import pytest
 import transformers
 
 from metainfer.models import transformers_adapter as hf
+from metainfer.testing import defined_names
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "models" / "transformers_adapter.py"
@@ -30,18 +31,8 @@ def _transformers_private_names() -> set[str]:
 
 
 def _ours(paths) -> set[str]:
-    """Private names metainfer itself defines (so `self._cache` of ours is not transformers')."""
-    out = set()
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                out.add(node.name)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                out.add(node.id)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                out.add(node.attr)
-    return out
+    """Names metainfer itself defines (so `self._cache` of ours is not transformers')."""
+    return {name for path in paths for name in defined_names(ast.parse(path.read_text()))}
 
 
 def _reaches(path: pathlib.Path, theirs: set[str]) -> list[str]:

@@ -205,6 +205,14 @@ class _Nowhere:
     def empty(self) -> bool:
         return True
 
+    def qsize(self) -> int:
+        return 0
+
+    def get(self, block=True, timeout=None):
+        import queue
+
+        raise queue.Empty
+
 
 def never_idle_sleep(manager) -> None:
     """The engine's idle loop sleeps 0.1 s on an event (`_wake_up_loop`) that only add_request and

@@ -620,14 +620,6 @@ class Manager:
     def __exit__(self, *exc):
         self.stop()
 
-    def qsize(self) -> int:
-        return 0
-
-    def get(self, block=True, timeout=None):
-        import queue
-
-        raise queue.Empty
-
 
 def _exchange_note(exchange) -> str:
     how = ("a shared-memory segment of this host (metainfer.runtime.exchange)" if exchange.transport == "shm" else

@@ -152,15 +152,15 @@ def interpreted() -> bool:
 
 # Bumped by kernels/configs.activate: plans that looked their config up are made again.
 CONFIG_GENERATION = 0
-# The rows of the compiled graph now running (kernels/configs.using): their generation, which
-# keeps its plans apart from the process default's and from another graph's rows.
-SCOPED_GENERATION: contextvars.ContextVar = contextvars.ContextVar("metainfer_kernel_rows", default=None)
+# The kernel rows of the compiled graph now running (kernels/configs.using, configs.rows_of's
+# tuple): its generation keeps their plans apart from the default's and from another graph's.
+SCOPED_ROWS: contextvars.ContextVar = contextvars.ContextVar("metainfer_kernel_rows", default=None)
 
 
 def config_generation():
     """Which kernel rows a launch that looks its config up reads now (see configs.using)."""
-    scoped = SCOPED_GENERATION.get()
-    return CONFIG_GENERATION if scoped is None else scoped
+    scoped = SCOPED_ROWS.get()
+    return CONFIG_GENERATION if scoped is None else scoped[2]
 
 # Set by lowering/aot.py while it records launches for a GPU architecture it compiles for
 # ahead of time: launchers then decide as they would on a GPU of that compute capability.

@@ -23,7 +23,6 @@ SMALL_M are dropped unless the target gives its own.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -116,9 +115,7 @@ _SM_COUNT = {"interpreter": 4, "sm_89": 142, "sm_90": 132, "cuda": 108}
 # device type -> (arch, overrides) of the target metainfer last compiled for on it: the rows of
 # an op called outside a compiled graph
 _active: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
-# the rows of the compiled graph running now (`using`): _rows_of's tuple
-_scoped: contextvars.ContextVar = contextvars.ContextVar("metainfer_kernel_rows_of", default=None)
-# (kernel, device, head_dim, dtype) -> (the activation it was built under, its config, read-only):
+# (kernel, device, head_dim, dtype, id of the activation) -> (that activation, its config, read-only):
 # a launch looks its row up per call, and building it (row, overrides, device SMs) costs microseconds
 _configs: dict[tuple, tuple[Any, Mapping[str, Any]]] = {}
 _ROW_SETS: dict[tuple, tuple] = {}  # one object (and one plan generation) per distinct set of rows
@@ -151,16 +148,15 @@ def using(rows):
     """Kernels launched meanwhile on this thread read these rows (`rows_of(target)`), whatever
     was activated last: each compiled graph runs under the rows of the target it was compiled
     for, so models compiled for different targets in one process keep their own."""
-    token, generation = _scoped.set(rows), _common.SCOPED_GENERATION.set(rows[2])
+    token = _common.SCOPED_ROWS.set(rows)
     try:
         yield
     finally:
-        _common.SCOPED_GENERATION.reset(generation)
-        _scoped.reset(token)
+        _common.SCOPED_ROWS.reset(token)
 
 
 def _activation(device_type: str):
-    scoped = _scoped.get()
+    scoped = _common.SCOPED_ROWS.get()
     if scoped is not None and scoped[0] == device_type:
         return scoped[1]
     return _active.get(device_type)

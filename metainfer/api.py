@@ -132,9 +132,7 @@ def _build(model, target, passes, disable, lowering, pass_options, capture, cach
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, ACCUMULATED_LIMIT)
-    # a drafter for speculative decoding is optimized the way this model was
-    remake = functools.partial(optimize, target=target, passes=[p.name for p in chosen] if explicit else None,
-                               disable=tuple(sorted(disabled)), lowering=lowering, pass_options=pass_options or None)
+    remake = functools.partial(optimize, target=target)  # a drafter, optimized as how_optimized() says
     opt = OptimizedModel(model, backend, dynamic=dynamic, dump_dir=dump_dir, serve_compile=serve_compile,
                          remake=remake)
     if adopted:

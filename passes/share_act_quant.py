@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 from torch.fx import Node
@@ -54,6 +55,10 @@ class ShareActQuant(MatchPass):
     missed = "activation quantisation not shared"
     misses = (NotShared,)
 
+    def start(self, graph, ctx):
+        # positions of the nodes there now: sites only ever compare those (the linears)
+        return SimpleNamespace(graph=graph, ctx=ctx, position=order(graph))
+
     def match(self, node: Node, state) -> dict[tuple, list[Node]] | None:
         """The site is the input x: its W8A8 linear readers by (the shape they read it in, block_k),
         where two or more read it alike."""
@@ -64,7 +69,7 @@ class ShareActQuant(MatchPass):
             return None  # the node it views finds the same readers: one site, reported once
         alike: dict[tuple, list[Node]] = defaultdict(list)
         for u in readers:
-            alike[(str(list(shape(u.args[0]))), arg(u, 5, "block_k"))].append(u)
+            alike[(str(list(shape(arg(u, 0, "x")))), arg(u, 5, "block_k"))].append(u)
         shared = {key: users for key, users in alike.items() if len(users) >= 2}
         if not shared:
             groups = sorted({block_k for _, block_k in alike})
@@ -75,8 +80,8 @@ class ShareActQuant(MatchPass):
     def rewrite(self, node: Node, site: dict[tuple, list[Node]], state) -> None:
         graph = state.graph
         for (_, block_k), linears in site.items():
-            first = min(linears, key=order(graph).__getitem__)  # quantise just before the first reader,
-            x = first.args[0]  # the view it reads, which comes before every later reader
+            first = min(linears, key=state.position.__getitem__)  # quantise just before the first reader,
+            x = arg(first, 0, "x")  # the view it reads, which comes before every later reader
             pair = insert_call(graph, first, torch.ops.metainfer.fp8_quantize_activations.default, (x, block_k))
             x_fp8 = insert_call(graph, first, operator.getitem, (pair, 0))
             x_scale = insert_call(graph, first, operator.getitem, (pair, 1))

@@ -133,10 +133,10 @@ class OptimizedModel:
 
     def __init__(self, model: torch.nn.Module, backend: MetainferBackend, *, dynamic: bool | None,
                  dump_dir: str | None, serve_compile: str = "auto",
-                 remake: "Callable[[torch.nn.Module], OptimizedModel] | None" = None):
+                 remake: "Callable[..., OptimizedModel] | None" = None):
         self.model = model
         self._backend = backend
-        self._remake = remake  # another model optimized as this one was (a drafter): the API's factory
+        self._remake = remake  # optimize(model, **settings) for this target: the API's factory
         self._forward = model.forward  # bound; what the compiled graphs compute
         self._compiled = _compile(_own_entry(self._forward), backend, dynamic)
         # a serving engine's packed steps change size every step: symbolic from the first one
@@ -356,7 +356,7 @@ class OptimizedModel:
         if self._remake is None:
             raise RuntimeError("this OptimizedModel was built without a factory for other models "
                                "(metainfer.optimize passes one)")
-        return self._remake(model)
+        return self._remake(model, **self.how_optimized())
 
     def how_optimized(self) -> dict:
         """The optimize() settings this model was built with, beside the target."""

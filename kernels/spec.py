@@ -164,7 +164,7 @@ class OpSpec:
 
     kind: one of KINDS; flops: its FLOP formula (see above); layout: how its arguments carry
     the batch and the tokens (required: OPAQUE_LAYOUT says nothing is known); example: small
-    arguments to call it with (tests run its fake on them; a calibration can time them); kernel:
+    arguments to call it with (tests run its fake on them); kernel:
     its Triton kernel (None: it runs plain torch or a library's code); cpu_work: on a CPU device,
     (FLOPs, extra bytes) of its CPU path where that path does other work than the kernel, else
     None (args, kwargs as for `flops`); experts: the experts a call can reach, each paying the

@@ -7,7 +7,7 @@
 The token-wise region after the all-reduces (residual adds, norms, casts, reshapes that keep the
 last dim) is found by closure over the graph: a node joins when its op is token-wise (ATen
 pointwise, a reduction over the last dim with keepdim, a reshape keeping the last dim, a cast, a
-metainfer op whose declaration says token-wise: rmsnorm, add_rmsnorm, swiglu, geglu) and every
+metainfer op whose declaration says token-wise, `layout.token_wise` in kernels/spec.py) and every
 tensor input is in the region, free of token dims (a weight broadcast over the last dim) or a
 replicated tensor of the same tokens (sliced to this rank's share). The region runs on tokens
 [r T/n, (r+1) T/n) of the flattened token order, as 2-D [tokens, features]: the reduce-scatter
@@ -29,8 +29,7 @@ import operator
 import torch
 import torch.distributed as dist
 
-from metainfer.hardware.fxops import op_name
-from metainfer.kernels.spec import spec_for
+from metainfer.hardware.fxops import spec_of
 
 from . import lookahead
 from .base import Pass, PassContext, PassResult, register
@@ -50,8 +49,7 @@ def _is_pointwise(node: Node) -> bool:
 
 def _is_token_wise_op(node: Node) -> bool:
     """A metainfer op declared token-wise (kernels/spec.py): rmsnorm, add_rmsnorm, ..."""
-    ns, name = op_name(node)
-    declared = spec_for(name) if ns == "metainfer" else None
+    declared = spec_of(node)
     return declared is not None and declared.layout.token_wise
 
 

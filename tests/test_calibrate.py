@@ -321,7 +321,9 @@ def test_the_builtin_cpu_target_names_its_machine_and_notes_a_different_one(monk
         warnings.simplefilter("error", machine.MachineChanged)
         opt = metainfer.optimize(model, "cpu", lowering="aot_eager")
         # a variant derived from it (another memory size, a rank's share) keeps its source: a note too
-        metainfer.optimize(model, dataclasses.replace(targets.get("cpu"), name="cpu-variant"), lowering="aot_eager")
+        variant = metainfer.optimize(model, dataclasses.replace(targets.get("cpu"), name="cpu-variant"),
+                                     lowering="aot_eager")
+    assert any("'cpu-variant''s figures were measured on another machine" in n for n in variant.report.notes)
     note = next(n for n in opt.report.notes if "measured on another machine" in n)
     assert "CPU 'AMD EPYC' -> 'Intel Xeon'" in note and "with amx_tile, avx512_bf16, avx512f" in note
     assert "2 -> 8 cores" in note

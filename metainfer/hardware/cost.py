@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metainfer.hardware.fxops import VIEW_NAMES, op_name
+from metainfer.hardware.fxops import VIEW_NAMES, op_name, spec_of
 from metainfer.hardware.targets import Target
 from metainfer.kernels import spec as op_specs
 from metainfer.kernels.spec import numel, size_hint, tensor_bytes  # noqa: F401  (this module's, too)
@@ -375,7 +375,7 @@ def op_cost(node: torch.fx.Node, target: Target, footprint: float | None = None)
         return OpCost(0.0, 0.0, 0.0, "free")
     out = _tensors([node.meta.get("val")])
     moved = sum(tensor_bytes(t) for t in ins) + sum(tensor_bytes(t) for t in out)
-    declared = op_specs.spec_for(name) if ns == "metainfer" else None
+    declared = spec_of(node)
     args = _values(node.args)
     flops, key = _flops(name, ns, args, out, declared)
     unknown = False

@@ -20,6 +20,17 @@ def op_name(node: torch.fx.Node) -> tuple[str, str]:
     return ns, name
 
 
+def spec_of(node: torch.fx.Node):
+    """The declaration (kernels/spec.py OpSpec) of the metainfer op a node calls; None for any
+    other node."""
+    ns, name = op_name(node)
+    if ns != "metainfer":
+        return None
+    from metainfer.kernels import spec  # (loads the kernel files: only where a metainfer op is met)
+
+    return spec.spec_for(name)
+
+
 def is_c10d(node: object) -> bool:
     """A functional collective of torch.distributed, or its wait: what a sharded graph holds."""
     packet = getattr(getattr(node, "target", None), "overloadpacket", None)

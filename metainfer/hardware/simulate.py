@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metainfer.hardware import cost
-from metainfer.hardware.fxops import is_c10d, op_name
+from metainfer.hardware.fxops import is_c10d, op_name, spec_of
 from metainfer.hardware.targets import Target
 from metainfer.kernels import spec
 
@@ -51,8 +51,7 @@ _GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
 def collective_op(node: torch.fx.Node) -> "spec.Collective | None":
     """What a metainfer op that is a collective (the shm_* ops, symm_mem_all_reduce) does, from
     its declaration (kernels/spec.py); None for any other node."""
-    ns, name = op_name(node)
-    declared = spec.spec_for(name) if ns == "metainfer" else None
+    declared = spec_of(node)
     return declared.collective if declared is not None else None
 
 

@@ -197,7 +197,6 @@ def names() -> list[str]:
 def is_builtin(target: Target) -> bool:
     """Whether `target` was read from one of the built-in TOMLs (or derived from one, as the
     per-rank and per-device variants are: they keep its source)."""
-    from pathlib import Path
 
     try:
         return Path(target.source).resolve().parent == _BUILTIN_DIR.resolve()
